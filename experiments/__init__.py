@@ -1,0 +1,7 @@
+"""The studies. A new study is one new file plus one line in ``STUDIES``."""
+
+from adaattn_experiments.attention_backends import STUDY as ATTENTION_BACKENDS
+
+STUDIES = {
+    ATTENTION_BACKENDS.name: ATTENTION_BACKENDS,
+}

@@ -1,0 +1,124 @@
+"""Attention backends study: regenerates G1-T1, G1-T2 and G0-C1 ("SDPA 10-15x faster than naive").
+
+G1-T2 is the guide's single point (B=32, S=1024, d_model=1024, H=16 -> head dim 64, forward).
+G1-T1's relative-speed claims are checked there and across a sweep that a reader of the guide
+would need before believing them: sequence length 512 ... 16384 at a fixed token count (so the
+work per point grows with S while the batch shrinks), head dim 64 and 128 (the two sizes every
+fused kernel specialises for), causal and not, bf16 and fp16, forward and forward+backward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import seaborn as sns
+import torch
+from torch import Tensor
+
+from adaattn.attention.providers import PROVIDERS, AttentionCase
+from adaattn.attention.reference import attention_ref
+from adaattn.bench.harness import Case, Workload
+from adaattn.bench.runner import target_sections
+from adaattn.config import Params, Target
+from adaattn.report.common import Section
+
+SECTION_IDS = ("G1-T2", "G1-T1")
+
+
+class AttentionBackends:
+    name = "attention_backends"
+    table_ids = ("G1-T1", "G1-T2", "G0-C1")
+    config_columns = ["batch", "seq_len", "heads", "head_dim", "causal", "dtype"]
+
+    # ------------------------------------------------------------------ cases
+
+    def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
+        return target_sections(raw, target_name, SECTION_IDS)
+
+    def cases(self, params: Params, target: Target) -> list[Case]:
+        t2 = getattr(params.g1_t2, target.profile)
+        t1 = getattr(params.g1_t1, target.profile)
+        out = [
+            self._case("G1-T2", t2.batch, t2.seq_len, t2.heads, t2.d_model // t2.heads, False, dtype, t2)
+            for dtype in t2.dtypes
+        ]
+        for head_dim in t1.head_dims:
+            for causal in t1.causal:
+                for dtype in t1.dtypes:
+                    for seq_len in t1.seq_lens:
+                        out.append(self._case("G1-T1", t1.tokens // seq_len, seq_len, t1.d_model // head_dim,
+                                              head_dim, causal, dtype, t1))
+        return out
+
+    @staticmethod
+    def _case(table_id: str, batch: int, seq_len: int, heads: int, head_dim: int, causal: bool, dtype: str,
+              section) -> Case:
+        mask = "causal" if causal else "full"
+        return Case(
+            case_id=f"{table_id}/b{batch}-s{seq_len}-h{heads}-d{head_dim}-{mask}-{dtype}",
+            table_id=table_id,
+            config={"batch": batch, "seq_len": seq_len, "heads": heads, "head_dim": head_dim, "causal": causal,
+                    "dtype": dtype},
+            providers=tuple(section.providers),
+            modes=tuple(section.modes),
+        )
+
+    # ------------------------------------------------------------------ harness hooks
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self._inputs: tuple[str, tuple[Tensor, Tensor, Tensor]] | None = None
+
+    def bind(self, device: str) -> AttentionBackends:
+        """A fresh instance for one run on ``device``."""
+        return AttentionBackends(device)
+
+    def _attn_case(self, case: Case) -> AttentionCase:
+        return AttentionCase(device=self.device, **case.config)
+
+    def inputs(self, case: Case) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, H, S, D) q, k, v: N(0, 1), fresh per case, shared by every provider of the case."""
+        if self._inputs is None or self._inputs[0] != case.case_id:
+            self._inputs = None
+            c = self._attn_case(case)
+            shape = (c.batch, c.heads, c.seq_len, c.head_dim)
+            self._inputs = (case.case_id, tuple(
+                torch.randn(shape, device=self.device, dtype=c.torch_dtype) for _ in range(3)))
+        return self._inputs[1]
+
+    def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
+        p = PROVIDERS[provider]
+        c = self._attn_case(case)
+        q, k, v = self.inputs(case)
+        if p.layout == "bshd":
+            q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, S, H, D)
+        q, k, v = (t.detach().clone().requires_grad_(requires_grad) for t in (q, k, v))
+        fn = p.build(c)
+        to_ref = (lambda t: t.transpose(1, 2)) if p.layout == "bshd" else (lambda t: t)
+        return Workload(fwd=lambda: fn(q, k, v), inputs=[q, k, v], flops_fwd=c.flops_fwd(),
+                        to_reference_layout=to_ref)
+
+    def reference(self, case: Case) -> Tensor:
+        # First batch element only: the float64 reference costs S^2 memory per head, and every
+        # batch element runs the same kernel path.
+        q, k, v = (t[:1] for t in self.inputs(case))
+        return attention_ref(q, k, v, causal=case.config["causal"])
+
+    def unavailable(self, provider: str, device: str) -> str | None:
+        return PROVIDERS[provider].unavailable(device)
+
+    def has_backward(self, provider: str) -> bool:
+        return PROVIDERS[provider].has_backward
+
+    # ------------------------------------------------------------------ report
+
+    def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
+        # kept in its own file so that editing a report never makes the measurements stale
+        from adaattn_experiments.attention_backends_report import render
+
+        return render(df, out_dir)
+
+
+STUDY = AttentionBackends()

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up a bare GPU machine that has torch/triton but no network: install the wheels carried in
+# .whl/ (pydantic, xformers, ...; see README "Measuring on a GPU box without network") and this
+# package, without touching the machine's torch. Source it: `. scripts/device_setup.sh`.
+set -e
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /tmp/adaattn-install.log 2>&1 \
+  || { cat /tmp/adaattn-install.log; return 1 2>/dev/null || exit 1; }
+set +e

@@ -1,0 +1,1 @@
+"""Attention implementations: the float64 reference and every provider the studies compare."""

@@ -1,0 +1,1 @@
+"""The one benchmark harness: timing, peak memory, accuracy, roofline units, results."""

@@ -1,0 +1,207 @@
+"""The harness: runs a study's cases x providers x modes and turns them into result rows.
+
+A study supplies its cases, and for each (case, provider, mode) a ``Workload``: a thunk that runs
+the op once on prepared inputs, the leaf inputs, and the FLOPs from a written formula. The
+harness owns warm-up and timing (through the timer), backward, peak memory, accuracy against
+the study's float64 reference, the roofline units, the kernels that ran, and the status rows for
+cases that are unavailable, unsupported, out of memory or fail: the study always goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from adaattn.bench.accuracy import accuracy
+from adaattn.bench.memory import peak_memory_bytes, quiet_stderr
+from adaattn.bench.roofline import Ceilings, mode_flops, tflops
+
+
+@dataclass
+class Workload:
+    fwd: Callable[[], Tensor]  # one forward call on prepared inputs
+    inputs: Sequence[Tensor]  # leaf tensors (requires_grad for backward modes)
+    flops_fwd: float  # written formula, e.g. 4*B*H*S^2*D (halved if causal)
+    to_reference_layout: Callable[[Tensor], Tensor] = lambda t: t
+
+
+@dataclass(frozen=True)
+class Case:
+    case_id: str
+    table_id: str
+    config: dict[str, Any]  # the case's knobs, one column each in the results
+    providers: tuple[str, ...]
+    modes: tuple[str, ...]
+
+
+class Study(Protocol):
+    name: str
+
+    def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload: ...
+
+    def reference(self, case: Case) -> Tensor | None: ...
+
+    def unavailable(self, provider: str, device: str) -> str | None: ...
+
+    def has_backward(self, provider: str) -> bool: ...
+
+
+class UnsupportedCase(RuntimeError):
+    """Raised by a study or provider when a case cannot run there; recorded, never fatal."""
+
+
+def classify_error(err: BaseException) -> tuple[str, str]:
+    """(status, reason) for an exception raised while running a case."""
+    text = " ".join(str(err).split())[:400]
+    if isinstance(err, torch.OutOfMemoryError):
+        return "oom", f"out of memory: {text[:200]}"
+    if isinstance(err, (NotImplementedError, UnsupportedCase)) or type(err).__name__ == "Unsupported":
+        return "unsupported", text
+    return "error", f"{type(err).__name__}: {text}"
+
+
+def kernels_ran(fn: Callable[[], object], device: str, top: int = 3) -> str:
+    """Names of the kernels (CUDA) or attention/matmul ops (CPU) one call ran, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with quiet_stderr(), profile(activities=activities) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for ev in prof.events():
+        if device == "cuda":
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                totals[ev.name] = totals.get(ev.name, 0.0) + ev.device_time
+        elif ev.name.startswith("aten::") and any(
+            key in ev.name for key in ("attention", "flash", "bmm", "mm", "softmax", "flex")
+        ):
+            totals[ev.name] = totals.get(ev.name, 0.0) + ev.self_cpu_time_total
+    if not totals and device != "cuda":  # compiled CPU code runs outside aten ops
+        totals = {ev.name: ev.self_cpu_time_total for ev in prof.events() if not ev.name.startswith("[")}
+    names = sorted(totals, key=totals.get, reverse=True)[:top]
+    return " | ".join(n[:90] for n in names)
+
+
+@dataclass
+class Harness:
+    device: str
+    timer: Callable
+    ceilings: Ceilings
+    rows: list[dict] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # where the run's wall time went
+    _refs: dict[str, Tensor | None] = field(default_factory=dict)
+
+    @contextmanager
+    def _phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def _row(self, case: Case, provider: str, mode: str, metric: str, value: float | None, *, unit: str = "",
+             p20: float | None = None, p80: float | None = None, status: str = "ok", reason: str = "",
+             kernel: str = "") -> None:
+        self.rows.append({
+            "table_id": case.table_id, "case_id": case.case_id, "provider": provider, "mode": mode,
+            "metric": metric, "value": value, "p20": p20, "p80": p80, "unit": unit, "status": status,
+            "reason": reason, "kernel": kernel, **case.config,
+        })
+
+    def run(self, study: Study, cases: Iterable[Case], progress: Callable[[str], None] = lambda _: None) -> list[dict]:
+        for case in cases:
+            for provider in case.providers:
+                progress(f"{case.case_id} {provider}")
+                self.run_provider(study, case, provider)
+            self._refs.pop(case.case_id, None)
+        return self.rows
+
+    def run_provider(self, study: Study, case: Case, provider: str) -> None:
+        reason = study.unavailable(provider, self.device)
+        for mode in case.modes:
+            if reason is not None:
+                self._row(case, provider, mode, "time_ms", None, status="unavailable", reason=reason)
+            elif mode != "fwd" and not study.has_backward(provider):
+                self._row(case, provider, mode, "time_ms", None, status="unsupported",
+                          reason=f"{provider} has no backward")
+            else:
+                self.run_mode(study, case, provider, mode)
+
+    def run_mode(self, study: Study, case: Case, provider: str, mode: str) -> None:
+        workload = None
+        try:
+            with self._phase("setup"):
+                workload = study.setup(case, provider, requires_grad=mode != "fwd")
+            self._measure(study, case, provider, mode, workload)
+        except Exception as err:  # noqa: BLE001 - every failure becomes a status row; the study goes on
+            status, reason = classify_error(err)
+            self._row(case, provider, mode, "time_ms", None, status=status, reason=reason)
+        finally:
+            del workload
+            self._release()
+
+    def _release(self) -> None:
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    def _measure(self, study: Study, case: Case, provider: str, mode: str, w: Workload) -> None:
+        with self._phase("first call (compiles)"):
+            first = w.fwd()
+        if mode == "fwd":
+            thunk = w.fwd
+        else:
+            grad_out = torch.randn_like(first)
+
+            def thunk() -> Tensor:
+                out = w.fwd()
+                out.backward(grad_out)
+                return out
+
+        with torch.no_grad() if mode == "fwd" else torch.enable_grad():
+            with self._phase("timing"):
+                t = self.timer(thunk, grad_to_none=w.inputs if mode != "fwd" else None)
+            with self._phase("peak memory"):
+                peak = peak_memory_bytes(thunk, self.device)
+            with self._phase("kernel names (profiler)"):
+                kernel = kernels_ran(thunk, self.device)
+            out = w.fwd() if mode == "fwd" else None
+        flops = mode_flops(w.flops_fwd, mode)
+        common = dict(kernel=kernel)
+        self._row(case, provider, mode, "time_ms", t.p50, p20=t.p20, p80=t.p80, unit="ms", **common)
+        # TFLOP/s quantiles: the fast end (p20 time) is the high rate
+        self._row(case, provider, mode, "tflops", tflops(flops, t.p50), p20=tflops(flops, t.p80),
+                  p80=tflops(flops, t.p20), unit="TFLOP/s", **common)
+        self._row(case, provider, mode, "frac_gemm_peak", tflops(flops, t.p50) / self.ceilings.gemm_tflops,
+                  unit=f"of measured {self.ceilings.gemm_dtype} GEMM", **common)
+        self._row(case, provider, mode, "peak_mem_mb", peak / 2**20, unit="MiB", **common)
+        if out is not None:
+            with self._phase("float64 reference"):
+                ref = self._reference(study, case)
+            if ref is not None:
+                got = w.to_reference_layout(out)[: ref.shape[0]]
+                for metric, value in accuracy(got, ref).items():
+                    self._row(case, provider, mode, metric, value, unit="vs float64", **common)
+
+    def _reference(self, study: Study, case: Case) -> Tensor | None:
+        if case.case_id not in self._refs:
+            self._refs[case.case_id] = study.reference(case)
+        return self._refs[case.case_id]
+
+    def ceiling_rows(self) -> list[dict]:
+        base = {"table_id": "", "case_id": "machine", "provider": "machine", "mode": "", "status": "ok",
+                "reason": "", "kernel": "", "p20": None, "p80": None}
+        return [
+            {**base, "metric": "copy_gbps", "value": self.ceilings.copy_gbps, "unit": "GB/s (read+write)"},
+            {**base, "metric": "gemm_tflops", "value": self.ceilings.gemm_tflops,
+             "unit": f"TFLOP/s ({self.ceilings.gemm_dtype} {self.ceilings.gemm_size}^3)"},
+        ]

@@ -1,0 +1,103 @@
+"""Run one study on one hardware target and write its results file.
+
+The target is checked against the machine before anything is measured: a stage never writes a
+result for hardware it is not running on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from adaattn.bench.harness import Case, Harness
+from adaattn.bench.provenance import cpu_model, provenance
+from adaattn.bench.results import results_path, write_results
+from adaattn.bench.roofline import measure_ceilings
+from adaattn.bench.timing import make_timer
+from adaattn.config import ConfigError, Params, Target, params_hash
+
+
+class StudyDef(Protocol):
+    name: str
+    table_ids: tuple[str, ...]
+    config_columns: list[str]
+
+    def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]: ...
+
+    def cases(self, params: Params, target: Target) -> list[Case]: ...
+
+    def bind(self, device: str) -> StudyDef: ...
+
+
+def resolve_target(params: Params, name: str) -> Target:
+    if name not in params.targets:
+        raise ConfigError(f"--target {name!r} is not a target in params.yaml; allowed: {', '.join(params.targets)}")
+    return params.targets[name]
+
+
+def check_hardware(name: str, target: Target) -> None:
+    """Refuse to measure a target on hardware that is not it."""
+    if target.device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"target {name!r} needs a CUDA GPU whose name contains {target.gpu_name!r}, but this machine has "
+            f"no CUDA device (CPU: {cpu_model()}). Its committed results are left as they are; measure it on "
+            f"that GPU with `dvc repro -f <stage>@{name}` there."
+        )
+    gpu = torch.cuda.get_device_name(0)
+    if target.gpu_name.lower() not in gpu.lower():
+        raise ConfigError(
+            f"target {name!r} is for a GPU whose name contains {target.gpu_name!r}; this machine has {gpu!r}. "
+            f"Add a target for it in params.yaml (see README, 'Adding a GPU') instead of relabelling."
+        )
+
+
+def target_sections(raw: dict, target_name: str, section_ids: tuple[str, ...]) -> dict[str, Any]:
+    """The raw params one target's results depend on: its target entry, timing and study sizes."""
+    target = raw["targets"][target_name]
+    profile = target["profile"]
+    bench = raw.get("bench", {}).get(profile, {})
+    return {"target": target, "bench": bench, **{sid: raw[sid][profile] for sid in section_ids}}
+
+
+def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, results_root: Path,
+              console: Console | None = None) -> Path:
+    console = console or Console(stderr=True)
+    target = resolve_target(params, target_name)
+    check_hardware(target_name, target)
+    study = study.bind(target.device)
+    cases = study.cases(params, target)
+    phash = params_hash(study.param_sections(raw, target, target_name))
+    path = results_path(results_root, study.name, target_name)
+
+    torch.manual_seed(0)
+    timer = make_timer(target.device, params.bench)
+    console.print(f"[bold]{study.name}[/] on target [bold]{target_name}[/]: measuring machine ceilings")
+    harness = Harness(target.device, timer, measure_ceilings(target.device, timer))
+    console.print(f"  copy {harness.ceilings.copy_gbps:.0f} GB/s, {harness.ceilings.gemm_dtype} GEMM "
+                  f"{harness.ceilings.gemm_tflops:.1f} TFLOP/s")
+    total = sum(len(c.providers) for c in cases)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as bar:
+        task = bar.add_task(study.name, total=total)
+
+        def progress(label: str) -> None:
+            if bar.tasks[task].description != study.name:
+                bar.advance(task)
+            bar.update(task, description=f"{label:<60.60}")
+
+        harness.run(study, cases, progress)
+        bar.advance(task)
+    prov = provenance(target.device, target_name, phash)
+    rows = [{"study": study.name, **r, **prov} for r in harness.ceiling_rows() + harness.rows]
+    write_results(path, rows, study.config_columns)
+    phases = ", ".join(f"{k} {v:.0f}s" for k, v in sorted(harness.phase_seconds.items(), key=lambda kv: -kv[1]))
+    console.print(f"time by phase: {phases}")
+    ok = sum(1 for r in harness.rows if r["status"] == "ok" and r["metric"] == "time_ms")
+    console.print(f"wrote {path} ({ok} timed cases, {len(rows)} rows)")
+    return path

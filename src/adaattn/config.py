@@ -1,0 +1,250 @@
+"""Typed, validated view of ``params.yaml``.
+
+Every section is named after the guide table it regenerates (``G1-T2``...; see
+``shared/guides/README.md``) and maps to a frozen pydantic model with ``extra="forbid"``, so a
+wrong type, an unknown key, an unknown provider or a non-positive size stops the run with an
+error that names the key and the allowed values, before anything is measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+
+from adaattn.attention.providers import PROVIDERS
+
+DType = Literal["bf16", "fp16", "fp32"]
+Mode = Literal["fwd", "fwd_bwd"]
+Profile = Literal["cpu", "gpu"]
+
+
+class ConfigError(ValueError):
+    """params.yaml (or a CLI override) is invalid; the message names the key and allowed values."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Target(_Section):
+    """One hardware target: results land in ``results/<study>/<name>.csv``."""
+
+    device: Literal["cpu", "cuda"]
+    profile: Profile  # which size profile of each study section this target runs
+    gpu_name: str | None = None  # substring of torch.cuda.get_device_name(); required for cuda
+
+    @field_validator("gpu_name")
+    @classmethod
+    def _non_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("gpu_name must be a non-empty substring of the CUDA device name")
+        return v
+
+
+class GpuTiming(_Section):
+    warmup_ms: PositiveInt = 25  # ms of warm-up per measurement (triton.testing.do_bench)
+    rep_ms: PositiveInt = 100  # ms of timed repeats per measurement
+
+
+class CpuTiming(_Section):
+    warmup: PositiveInt = 1  # untimed calls before timing
+    repeats: PositiveInt = 5  # timed calls; quantiles are taken over these
+
+
+class Bench(_Section):
+    gpu: GpuTiming = GpuTiming()
+    cpu: CpuTiming = CpuTiming()
+
+
+ProviderName = str
+
+
+class _AttentionCommon(_Section):
+    d_model: PositiveInt  # model width; heads = d_model / head_dim
+    dtypes: Annotated[list[DType], Field(min_length=1)]
+    modes: Annotated[list[Mode], Field(min_length=1)]
+    providers: Annotated[list[ProviderName], Field(min_length=1)]
+
+    @field_validator("providers")
+    @classmethod
+    def _known_providers(cls, v: list[str]) -> list[str]:
+        unknown = [p for p in v if p not in PROVIDERS]
+        if unknown:
+            raise ValueError(f"unknown provider(s) {unknown}; allowed: {', '.join(PROVIDERS)}")
+        if len(set(v)) != len(v):
+            raise ValueError("providers must not repeat")
+        return v
+
+
+class G1T2Shape(_AttentionCommon):
+    """The guide's benchmark point: B=32, S=1024, d_model=1024, H=16 (head dim 64), forward."""
+
+    batch: PositiveInt
+    seq_len: PositiveInt
+    heads: PositiveInt
+
+    @field_validator("heads")
+    @classmethod
+    def _divides(cls, v: int, info) -> int:
+        d_model = info.data.get("d_model")
+        if d_model is not None and d_model % v:
+            raise ValueError(f"heads={v} must divide d_model={d_model}")
+        return v
+
+
+class G1T1Sweep(_AttentionCommon):
+    """Sequence length at a fixed token count (B = tokens / S), x head dim x causal x dtype x mode."""
+
+    tokens: PositiveInt  # B * S for every point of the sweep
+    seq_lens: Annotated[list[PositiveInt], Field(min_length=1)]
+    head_dims: Annotated[list[PositiveInt], Field(min_length=1)]
+    causal: Annotated[list[bool], Field(min_length=1)]
+
+    @field_validator("seq_lens")
+    @classmethod
+    def _divides_tokens(cls, v: list[int], info) -> list[int]:
+        tokens = info.data.get("tokens")
+        bad = [s for s in v if tokens is not None and tokens % s]
+        if bad:
+            raise ValueError(f"seq_lens {bad} do not divide tokens={tokens}")
+        return v
+
+    @field_validator("head_dims")
+    @classmethod
+    def _head_dims_divide(cls, v: list[int], info) -> list[int]:
+        d_model = info.data.get("d_model")
+        bad = [d for d in v if d_model is not None and d_model % d]
+        if bad:
+            raise ValueError(f"head_dims {bad} do not divide d_model={d_model}")
+        return v
+
+
+class ByProfile(_Section):
+    """A study section: one set of sizes per target profile (a 2-core CPU cannot run the GPU sizes)."""
+
+    cpu: Any
+    gpu: Any
+
+
+class G1T2Section(ByProfile):
+    cpu: G1T2Shape
+    gpu: G1T2Shape
+
+
+class G1T1Section(ByProfile):
+    cpu: G1T1Sweep
+    gpu: G1T1Sweep
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    targets: Annotated[dict[str, Target], Field(min_length=1)]
+    bench: Bench = Bench()
+    g1_t2: G1T2Section = Field(alias="G1-T2")
+    g1_t1: G1T1Section = Field(alias="G1-T1")
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, v: dict[str, Target]) -> dict[str, Target]:
+        for name, t in v.items():
+            if not name.replace("_", "").isalnum() or name != name.lower():
+                raise ValueError(f"target name {name!r} must be lower-case letters, digits or '_'")
+            if t.device == "cuda" and not t.gpu_name:
+                raise ValueError(f"target {name!r}: device cuda needs gpu_name (e.g. 'H100')")
+            if t.device == "cpu" and t.profile != "cpu":
+                raise ValueError(f"target {name!r}: a cpu device runs profile 'cpu'")
+        return v
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"{source} is invalid:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            parent = _allowed_keys(e["loc"][:-1])
+            msg = f"unknown key; allowed keys here: {', '.join(parent)}" if parent else "unknown key"
+        lines.append(f"  {loc}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """Keys allowed at ``loc`` in the schema (aliases as written in params.yaml), for error messages."""
+    model: Any = Params
+    parts = iter(loc)
+    for part in parts:
+        fields = model.model_fields
+        name = next((n for n, f in fields.items() if part in (n, f.alias)), None)
+        if name is None:
+            return []
+        ann = fields[name].annotation
+        if typing.get_origin(ann) is dict:  # dict[str, Model]: the next part is a free key
+            next(parts, None)
+            ann = typing.get_args(ann)[1]
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
+def set_override(raw: dict, dotted: str, value: Any) -> None:
+    """Set ``a.b.c=value`` in a raw params dict; the path must already exist (no new keys)."""
+    parts = dotted.split(".")
+    node = raw
+    for i, part in enumerate(parts):
+        if not isinstance(node, dict) or part not in node:
+            allowed = ", ".join(node) if isinstance(node, dict) else "(not a section)"
+            where = ".".join(parts[:i]) or "params.yaml"
+            raise ConfigError(f"override {dotted!r}: no key {part!r} under {where}; allowed: {allowed}")
+        if i == len(parts) - 1:
+            node[part] = value
+        else:
+            node = node[part]
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE parsed as YAML (``[512, 1024]``, ``false``, ``bf16``)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like KEY=VALUE, e.g. G1-T1.gpu.seq_lens=[512,1024]")
+    key, value = item.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def load_raw(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path} not found")
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return raw
+
+
+def validate(raw: dict, source: str = "params.yaml") -> Params:
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_params(path: Path = Path("params.yaml"), overrides: list[str] | None = None) -> tuple[Params, dict]:
+    """Load, apply ``KEY=VALUE`` overrides, validate. Returns the typed config and the raw dict."""
+    raw = load_raw(path)
+    raw = copy.deepcopy(raw)
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_override(raw, key, value)
+    return validate(raw, source=str(path) + (" (with overrides)" if overrides else "")), raw
+
+
+def params_hash(sections: dict[str, Any]) -> str:
+    """Stable short hash of the params a result depends on (canonical JSON, sha256)."""
+    blob = json.dumps(sections, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]

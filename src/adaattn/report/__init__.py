@@ -1,0 +1,1 @@
+"""Reports: figures and markdown tables rendered only from the results files."""

@@ -1,0 +1,95 @@
+"""Render reports/ from results/ only: per-study markdown with figures, and reports/README.md,
+the index of every guide table id with the guide's figure, the measured one, the hardware and
+a verdict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from adaattn.bench.results import read_study
+from adaattn.config import ConfigError, params_hash
+from adaattn.report.common import Section, Verdict, guide_figures, md_table, provenance_table
+
+
+def _current_hashes(study: Any, raw: dict, df: pd.DataFrame) -> dict[str, str | None]:
+    from adaattn.config import validate
+
+    params = validate(raw)
+    hashes: dict[str, str | None] = {}
+    for target in df["target"].dropna().unique():
+        t = params.targets.get(target)
+        hashes[target] = None if t is None else params_hash(study.param_sections(raw, t, target))
+    return hashes
+
+
+def render_study(study: Any, raw: dict, results_root: Path, reports_root: Path) -> list[Section]:
+    df = read_study(results_root, study.name)
+    if df.empty:
+        return []
+    out_dir = reports_root / study.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sections = study.render(df, out_dir)
+    ceilings = df[df["case_id"] == "machine"][["target", "hardware", "metric", "value", "unit"]]
+    lines = [
+        f"# Study `{study.name}` ({', '.join(study.table_ids)})\n",
+        "Rendered by `adaattn report` from `results/" + study.name + "/*.csv` only. Regenerate with `dvc repro`.\n",
+        "## Where the numbers come from\n",
+        provenance_table(df, _current_hashes(study, raw, df)) + "\n",
+        "Machine ceilings measured at the start of each run:\n",
+        md_table(ceilings) + "\n",
+    ]
+    for s in sections:
+        lines.append(f"## {s.table_id}: {s.title}\n\n{s.markdown}")
+        if s.verdicts:
+            lines.append(f"### Verdicts ({s.table_id})\n\n" + _verdict_table(s.verdicts) + "\n")
+    (reports_root / f"{study.name}.md").write_text("\n".join(lines))
+    return sections
+
+
+def _verdict_table(verdicts: list[Verdict]) -> str:
+    return md_table(pd.DataFrame([{
+        "claim": v.claim, "guide": v.guide, "measured": v.measured, "hardware": v.hardware,
+        "verdict": v.verdict, "reason": v.reason,
+    } for v in verdicts]))
+
+
+def render_all(studies: Mapping[str, Any], raw: dict, results_root: Path, reports_root: Path) -> Path:
+    reports_root.mkdir(parents=True, exist_ok=True)
+    by_id: dict[str, tuple[str, Section]] = {}
+    for name, study in studies.items():
+        for section in render_study(study, raw, results_root, reports_root):
+            by_id[section.table_id] = (name, section)
+    lines = [
+        "# Reports: every guide table and claim, regenerated\n",
+        "Each row is a table or claim id from `shared/guides/README.md`. *Guide* is the guide's own figure "
+        "(from `src/adaattn/report/guide_figures.yaml`); *measured* is what `dvc repro` measured on the "
+        "hardware named. Rendered from `results/` only.\n",
+        "| id | guide table | guide hardware | study | verdicts |",
+        "|---|---|---|---|---|",
+    ]
+    details = []
+    for table_id, guide in guide_figures().items():
+        if table_id in by_id:
+            study, section = by_id[table_id]
+            counts = pd.Series([v.verdict for v in section.verdicts]).value_counts()
+            summary = ", ".join(f"{n} {k}" for k, n in counts.items()) or "table only"
+            link = f"[{study}]({study}.md#{_anchor(section)})"
+            details.append(f"## {table_id}: {section.title}\n\nSee {link}.\n\n"
+                           + (_verdict_table(section.verdicts) if section.verdicts else "") + "\n")
+        else:
+            summary, link = "not measured yet", "-"
+        lines.append(f"| {table_id} | {guide['title']} | {guide['hardware']} | {link} | {summary} |")
+    (reports_root / "README.md").write_text("\n".join(lines) + "\n\n" + "\n".join(details))
+    return reports_root / "README.md"
+
+
+def _anchor(section: Section) -> str:
+    text = f"{section.table_id}: {section.title}".lower()
+    return "".join(ch for ch in text.replace(" ", "-") if ch.isalnum() or ch in "-_")
+
+
+__all__ = ["render_all", "render_study", "ConfigError"]

@@ -1,0 +1,1 @@
+"""Experiment tracking: the results files, logged to MLflow."""

@@ -1,0 +1,124 @@
+"""Log results files to MLflow: one experiment per study, a parent run per (study, target), a child
+run per measured case (case config x provider) with its metrics, provenance tags and table id.
+
+Idempotent: each parent run carries the sha256 of the results file it was logged from. Logging
+an unchanged file does nothing; a changed file replaces that target's runs (the old ones are
+deleted), so re-running never duplicates runs. Without ``MLFLOW_TRACKING_URI`` the store is
+SQLite ``mlflow.db`` at the repository root (``mlflow ui``'s default there); with it, the same runs
+go to that tracking server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from adaattn.bench.provenance import PROVENANCE_COLUMNS
+from adaattn.bench.results import read_results
+
+KEY_TAG = "adaattn.key"  # "<study>/<target>" on parent runs
+SHA_TAG = "adaattn.results_sha256"
+
+
+def tracking_uri(root: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _clean(value) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
+def _child_runs(df: pd.DataFrame, config_columns: list[str]):
+    """(run name, params, metrics, tags) per (case, provider)."""
+    runs = df[df["case_id"] != "machine"]
+    for (case_id, provider), grp in runs.groupby(["case_id", "provider"], sort=False):
+        first = grp.iloc[0]
+        params = {c: _clean(first[c]) for c in config_columns if c in grp}
+        params.update(provider=provider, table_id=_clean(first["table_id"]))
+        metrics: dict[str, float] = {}
+        tags = {"table_id": _clean(first["table_id"]), "case_id": case_id}
+        for _, r in grp.iterrows():
+            key = f"{r['mode']}.{r['metric']}"
+            if r["status"] == "ok" and not pd.isna(r["value"]):
+                metrics[key] = float(r["value"])
+                if not pd.isna(r["p20"]):
+                    metrics[f"{key}_p20"] = float(r["p20"])
+                    metrics[f"{key}_p80"] = float(r["p80"])
+            tags[f"status.{r['mode']}"] = r["status"]
+            if _clean(r["reason"]):
+                tags[f"reason.{r['mode']}"] = _clean(r["reason"])[:5000]
+            if _clean(r["kernel"]):
+                tags[f"kernel.{r['mode']}"] = _clean(r["kernel"])
+        yield f"{provider} · {case_id}", params, metrics, tags
+
+
+def log_results_file(client, study: str, path: Path, config_columns: list[str], artifacts: list[Path]) -> str:
+    """Log one results file; returns 'unchanged' or 'logged'."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    target = path.stem
+    sha = _sha(path)
+    exp = client.get_experiment_by_name(study)
+    exp_id = exp.experiment_id if exp else client.create_experiment(study)
+    existing = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{study}/{target}'")
+    if any(r.data.tags.get(SHA_TAG) == sha for r in existing):
+        return "unchanged"
+    for old in existing:  # a re-measured target replaces its runs, never duplicates them
+        for child in client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{old.info.run_id}'"):
+            client.delete_run(child.info.run_id)
+        client.delete_run(old.info.run_id)
+
+    df = read_results(path)
+    prov = {c: _clean(df[c].iloc[0]) for c in PROVENANCE_COLUMNS if c in df}
+    machine = df[df["case_id"] == "machine"]
+    parent = client.create_run(exp_id, run_name=f"{target} · {prov.get('hardware', '')}", tags={
+        KEY_TAG: f"{study}/{target}", SHA_TAG: sha, "study": study,
+        "table_ids": ",".join(sorted(df["table_id"].dropna().astype(str).unique())), **prov,
+    })
+    pid = parent.info.run_id
+    ts = 0
+    client.log_batch(pid, metrics=[Metric(f"machine.{r['metric']}", float(r["value"]), ts, 0)
+                                   for _, r in machine.iterrows()],
+                     params=[Param("target", target), Param("results_file", str(path))])
+    for name, params, metrics, tags in _child_runs(df, config_columns):
+        child = client.create_run(exp_id, run_name=name, tags={
+            "mlflow.parentRunId": pid, "study": study, **prov, **tags})
+        client.log_batch(child.info.run_id,
+                         metrics=[Metric(k, v, ts, 0) for k, v in metrics.items()],
+                         params=[Param(k, v) for k, v in params.items()])
+        client.set_terminated(child.info.run_id)
+    for art in artifacts:
+        client.log_artifact(pid, str(art), artifact_path="figures")
+    client.set_terminated(pid)
+    return "logged"
+
+
+def sync(studies: dict, results_root: Path, reports_root: Path, root: Path, manifest: Path) -> dict:
+    """Log every results file of every study; write a deterministic manifest (the DVC output)."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(root)
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    summary: dict[str, dict[str, str]] = {}
+    actions: dict[str, str] = {}
+    for name, study in studies.items():
+        for path in sorted((results_root / name).glob("*.csv")):
+            figures = sorted((reports_root / name).glob(f"*_{path.stem}_*.png"))
+            actions[f"{name}/{path.stem}"] = log_results_file(client, name, path, study.config_columns, figures)
+            summary.setdefault(name, {})[path.stem] = _sha(path)
+    store = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "mlflow.db"
+    tmp = manifest.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"store": store, "results_sha256": summary}, indent=2, sort_keys=True) + "\n")
+    tmp.replace(manifest)
+    return actions
