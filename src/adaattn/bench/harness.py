@@ -117,8 +117,13 @@ class Harness:
             "reason": reason, "kernel": kernel, **case.config,
         })
 
-    def run(self, study: Study, cases: Iterable[Case], progress: Callable[[str], None] = lambda _: None) -> list[dict]:
+    def run(self, study: Study, cases: Iterable[Case], progress: Callable[[str], None] = lambda _: None,
+            log: Callable[[str], None] = lambda _: None) -> list[dict]:
+        last = time.perf_counter()
         for case in cases:
+            if time.perf_counter() - last > 30:
+                last = time.perf_counter()
+                log(f"{case.case_id}: " + self.phase_summary())
             for provider in case.providers:
                 progress(f"{case.case_id} {provider}")
                 self.run_provider(study, case, provider)
@@ -148,6 +153,9 @@ class Harness:
         finally:
             del workload
             self._release()
+
+    def phase_summary(self) -> str:
+        return ", ".join(f"{k} {v:.0f}s" for k, v in sorted(self.phase_seconds.items(), key=lambda kv: -kv[1]))
 
     def _release(self) -> None:
         gc.collect()

@@ -41,6 +41,22 @@ def git_state() -> tuple[str, bool | None]:
     return commit, (bool(status) if status is not None else None)
 
 
+def code_hash(root: Path = Path(".")) -> str:
+    """sha256 over the files of CODE_PATHS (path + content, sorted): identifies the code that ran,
+    also on a machine whose copy of the tree has no git history."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for top in CODE_PATHS:
+        base = root / top
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+        for f in files:
+            if "__pycache__" in f.parts or f.suffix == ".pyc" or ".egg-info" in str(f):
+                continue
+            digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def nvidia_driver() -> str:
     try:
         import pynvml
@@ -96,6 +112,7 @@ def provenance(device: str, target: str, params_hash: str) -> dict[str, object]:
         "python": platform.python_version(),
         "git_commit": commit,
         "git_dirty": dirty,
+        "code_hash": code_hash(),
         "params_hash": params_hash,
         "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["adaattn", *sys.argv[1:]]),
@@ -104,5 +121,5 @@ def provenance(device: str, target: str, params_hash: str) -> dict[str, object]:
 
 PROVENANCE_COLUMNS = (
     "target", "hardware", "hardware_count", "driver", "cuda", "cudnn", "torch", "triton", "python",
-    "git_commit", "git_dirty", "params_hash", "measured_at", "command",
+    "git_commit", "git_dirty", "code_hash", "params_hash", "measured_at", "command",
 )

@@ -91,13 +91,12 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
                 bar.advance(task)
             bar.update(task, description=f"{label:<60.60}")
 
-        harness.run(study, cases, progress)
+        harness.run(study, cases, progress, log=console.print)
         bar.advance(task)
     prov = provenance(target.device, target_name, phash)
     rows = [{"study": study.name, **r, **prov} for r in harness.ceiling_rows() + harness.rows]
     write_results(path, rows, study.config_columns)
-    phases = ", ".join(f"{k} {v:.0f}s" for k, v in sorted(harness.phase_seconds.items(), key=lambda kv: -kv[1]))
-    console.print(f"time by phase: {phases}")
+    console.print(f"time by phase: {harness.phase_summary()}")
     ok = sum(1 for r in harness.rows if r["status"] == "ok" and r["metric"] == "time_ms")
     console.print(f"wrote {path} ({ok} timed cases, {len(rows)} rows)")
     return path

@@ -69,7 +69,7 @@ def fmt(x: float | None, digits: int = 3) -> str:
 def provenance_table(df: pd.DataFrame, current_hashes: dict[str, str | None]) -> str:
     """One line per target: hardware, software, commit, params hash, and whether it is stale."""
     cols = ["target", "hardware", "hardware_count", "driver", "cuda", "cudnn", "torch", "triton", "python",
-            "git_commit", "git_dirty", "params_hash", "measured_at"]
+            "git_commit", "git_dirty", "code_hash", "params_hash", "measured_at"]
     prov = df[cols].drop_duplicates("target").copy()
     prov["git_commit"] = prov["git_commit"].astype(str).str[:10]
 
