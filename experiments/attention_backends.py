@@ -110,7 +110,7 @@ class AttentionBackends:
         return PROVIDERS[provider].unavailable(device)
 
     def has_backward(self, provider: str) -> bool:
-        return PROVIDERS[provider].has_backward
+        return self.device in PROVIDERS[provider].backward_devices
 
     # ------------------------------------------------------------------ report
 

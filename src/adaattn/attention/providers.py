@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaattn.errors import Unsupported
+
 AttnFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -47,10 +49,6 @@ class AttentionCase:
         return flops / 2 if self.causal else flops
 
 
-class Unsupported(RuntimeError):
-    """The provider cannot run this case (dtype, head dim, device, missing backward...)."""
-
-
 @dataclass(frozen=True)
 class Provider:
     name: str
@@ -58,7 +56,7 @@ class Provider:
     build: Callable[[AttentionCase], AttnFn]
     layout: str = "bhsd"  # "bhsd" (SDPA) or "bshd" (xFormers, flash-attn)
     check: Callable[[], str | None] = lambda: None  # reason the provider cannot load, or None
-    has_backward: bool = True
+    backward_devices: frozenset[str] = frozenset({"cpu", "cuda"})  # where it has a backward
     description: str = ""
 
     def unavailable(self, device: str) -> str | None:
@@ -132,9 +130,9 @@ def _flex_compiled() -> Callable:
             setattr(cfg, knob, 512)
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         cfg.fail_on_recompile_limit_hit = True
-    # dynamic=None (automatic): the second shape of a (dtype, head dim, mask) group compiles a
-    # kernel with symbolic B and S, so a sweep pays two compiles per group, not one per point.
-    return torch.compile(flex_attention, fullgraph=True)
+    # dynamic=True: one compile per (dtype, head dim, mask, grad) group with symbolic B and S; with
+    # static shapes every sweep point compiled again (138 s of compiles in a 50-case H200 sweep).
+    return torch.compile(flex_attention, dynamic=True, fullgraph=True)
 
 
 def _flex(case: AttentionCase) -> AttnFn:
@@ -268,14 +266,16 @@ PROVIDERS: dict[str, Provider] = {
     "sdpa_cudnn": Provider("sdpa_cudnn", CUDA, _sdpa_forced("CUDNN_ATTENTION"), description="SDPA forced: cuDNN"),
     "sdpa_math": Provider("sdpa_math", CPU_CUDA, _sdpa_forced("MATH"), description="SDPA forced: math"),
     "standard": Provider("standard", CPU_CUDA, _standard, description="matmul, softmax, matmul"),
-    "flex": Provider("flex", CPU_CUDA, _flex, check=_check_flex, description="FlexAttention, torch.compile'd"),
+    # FlexAttention raises "does not support backward on CPU" (torch 2.11 - 2.13)
+    "flex": Provider("flex", CPU_CUDA, _flex, check=_check_flex, backward_devices=CUDA,
+                     description="FlexAttention, torch.compile'd"),
     "xformers_cutlass": Provider(
         "xformers_cutlass", CUDA, _xformers("cutlass.FwOp", "cutlass.BwOp"), layout="bshd",
         check=_check_xformers("cutlass.FwOp", "cutlass.BwOp"), description="xformers memory_efficient_attention, op=cutlass",
     ),
     "xformers_splitk": Provider(
         "xformers_splitk", CUDA, _xformers("triton_splitk.FwOp", None), layout="bshd",
-        check=_check_xformers("triton_splitk.FwOp", None), has_backward=False,
+        check=_check_xformers("triton_splitk.FwOp", None), backward_devices=frozenset(),
         description="xformers memory_efficient_attention, op=triton_splitk (forward only)",
     ),
     "flash_attn": Provider(

@@ -22,6 +22,7 @@ from torch import Tensor
 from adaattn.bench.accuracy import accuracy
 from adaattn.bench.memory import peak_memory_bytes, quiet_stderr
 from adaattn.bench.roofline import Ceilings, mode_flops, tflops
+from adaattn.errors import Unsupported
 
 
 @dataclass
@@ -50,11 +51,7 @@ class Study(Protocol):
 
     def unavailable(self, provider: str, device: str) -> str | None: ...
 
-    def has_backward(self, provider: str) -> bool: ...
-
-
-class UnsupportedCase(RuntimeError):
-    """Raised by a study or provider when a case cannot run there; recorded, never fatal."""
+    def has_backward(self, provider: str) -> bool: ...  # on the device the study is bound to
 
 
 def classify_error(err: BaseException) -> tuple[str, str]:
@@ -62,7 +59,7 @@ def classify_error(err: BaseException) -> tuple[str, str]:
     text = " ".join(str(err).split())[:400]
     if isinstance(err, torch.OutOfMemoryError):
         return "oom", f"out of memory: {text[:200]}"
-    if isinstance(err, (NotImplementedError, UnsupportedCase)) or type(err).__name__ == "Unsupported":
+    if isinstance(err, (NotImplementedError, Unsupported)):
         return "unsupported", text
     return "error", f"{type(err).__name__}: {text}"
 
@@ -128,6 +125,7 @@ class Harness:
                 progress(f"{case.case_id} {provider}")
                 self.run_provider(study, case, provider)
             self._refs.pop(case.case_id, None)
+            self._release()
         return self.rows
 
     def run_provider(self, study: Study, case: Case, provider: str) -> None:
@@ -137,7 +135,7 @@ class Harness:
                 self._row(case, provider, mode, "time_ms", None, status="unavailable", reason=reason)
             elif mode != "fwd" and not study.has_backward(provider):
                 self._row(case, provider, mode, "time_ms", None, status="unsupported",
-                          reason=f"{provider} has no backward")
+                          reason=f"{provider} has no backward on {self.device}")
             else:
                 self.run_mode(study, case, provider, mode)
 
@@ -150,20 +148,21 @@ class Harness:
         except Exception as err:  # noqa: BLE001 - every failure becomes a status row; the study goes on
             status, reason = classify_error(err)
             self._row(case, provider, mode, "time_ms", None, status=status, reason=reason)
-        finally:
             del workload
-            self._release()
+            if status == "oom":
+                self._release()
 
     def phase_summary(self) -> str:
         return ", ".join(f"{k} {v:.0f}s" for k, v in sorted(self.phase_seconds.items(), key=lambda kv: -kv[1]))
 
     def _release(self) -> None:
+        # once per case (gc.collect costs ~0.1 s with dynamo loaded; per call it was minutes a sweep)
         gc.collect()
         if self.device == "cuda":
             torch.cuda.empty_cache()
 
     def _measure(self, study: Study, case: Case, provider: str, mode: str, w: Workload) -> None:
-        with self._phase("first call (compiles)"):
+        with self._phase(f"first call ({provider})"):
             first = w.fwd()
         if mode == "fwd":
             thunk = w.fwd

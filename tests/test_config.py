@@ -1,0 +1,116 @@
+"""params.yaml validation: every bad input stops with the key and the allowed values."""
+
+import copy
+
+import pytest
+import yaml
+
+from adaattn.bench.runner import check_hardware, resolve_target
+from adaattn.config import ConfigError, load_params, params_hash, parse_override, set_override, validate
+
+
+@pytest.fixture
+def raw(repo):
+    return yaml.safe_load((repo / "params.yaml").read_text())
+
+
+def test_repo_params_validate(repo):
+    params, _ = load_params(repo / "params.yaml")
+    assert "cpu" in params.targets and params.g1_t2.gpu.batch == 32
+
+
+def _error(raw) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(raw)
+    return str(info.value)
+
+
+def test_wrong_type_names_key(raw):
+    raw["G1-T2"]["gpu"]["batch"] = "thirty-two"
+    msg = _error(raw)
+    assert "G1-T2.gpu.batch" in msg and "integer" in msg
+
+
+def test_unknown_provider_lists_allowed(raw):
+    raw["G1-T1"]["cpu"]["providers"] = ["sdpa", "magic_attention"]
+    msg = _error(raw)
+    assert "G1-T1.cpu.providers" in msg and "magic_attention" in msg and "sdpa_flash" in msg
+
+
+@pytest.mark.parametrize("value", [0, -4])
+def test_non_positive_size(raw, value):
+    raw["G1-T1"]["gpu"]["tokens"] = value
+    assert "G1-T1.gpu.tokens" in _error(raw)
+
+
+def test_unknown_key_lists_allowed_keys(raw):
+    raw["G1-T2"]["cpu"]["bach"] = 3
+    msg = _error(raw)
+    assert "G1-T2.cpu.bach" in msg and "allowed keys here" in msg and "batch" in msg
+
+
+def test_unknown_section(raw):
+    raw["G9-T9"] = {}
+    assert "G9-T9" in _error(raw)
+
+
+def test_bad_dtype_lists_allowed(raw):
+    raw["G1-T1"]["gpu"]["dtypes"] = ["bf32"]
+    msg = _error(raw)
+    assert "'bf16'" in msg and "'fp16'" in msg
+
+
+def test_seq_len_must_divide_tokens(raw):
+    raw["G1-T1"]["cpu"]["seq_lens"] = [300]
+    assert "do not divide tokens" in _error(raw)
+
+
+def test_cuda_target_needs_gpu_name(raw):
+    raw["targets"]["a100"] = {"device": "cuda", "profile": "gpu"}
+    assert "gpu_name" in _error(raw)
+
+
+def test_overrides(repo):
+    params, raw = load_params(repo / "params.yaml", ["G1-T1.cpu.seq_lens=[128, 256]", "bench.cpu.repeats=2"])
+    assert params.g1_t1.cpu.seq_lens == [128, 256] and params.bench.cpu.repeats == 2
+    with pytest.raises(ConfigError, match="no key 'seqlens'.*allowed: tokens, seq_lens"):
+        load_params(repo / "params.yaml", ["G1-T1.cpu.seqlens=[1]"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("G1-T1.cpu.seq_lens")
+    with pytest.raises(ConfigError, match="G1-T1.cpu.seq_lens"):
+        load_params(repo / "params.yaml", ["G1-T1.cpu.seq_lens=[0]"])
+
+
+def test_set_override_only_existing_paths():
+    raw = {"a": {"b": 1}}
+    set_override(raw, "a.b", 2)
+    assert raw == {"a": {"b": 2}}
+    with pytest.raises(ConfigError):
+        set_override(raw, "a.c", 1)
+
+
+def test_params_hash_is_stable_and_sensitive(raw):
+    other = copy.deepcopy(raw)
+    assert params_hash(raw) == params_hash(other)
+    other["G1-T2"]["cpu"]["batch"] += 1
+    assert params_hash(raw) != params_hash(other)
+
+
+def test_target_checks(repo):
+    params, _ = load_params(repo / "params.yaml")
+    with pytest.raises(ConfigError, match="allowed: cpu"):
+        resolve_target(params, "tpu")
+    resolve_target(params, "cpu")
+
+
+def test_gpu_target_refused_without_that_gpu(repo, monkeypatch):
+    import torch
+
+    params, _ = load_params(repo / "params.yaml")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        check_hardware("h100", params.targets["h100"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ConfigError, match="this machine has 'NVIDIA A100"):
+        check_hardware("h100", params.targets["h100"])

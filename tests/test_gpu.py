@@ -1,0 +1,64 @@
+"""GPU checks (skipped without CUDA): forced backends run their own kernels, timer, memory, accuracy."""
+
+import pytest
+import torch
+
+from adaattn.attention.providers import PROVIDERS, AttentionCase
+from adaattn.attention.reference import attention_ref
+from adaattn.bench.harness import kernels_ran
+from adaattn.bench.memory import peak_memory_bytes
+from adaattn.bench.timing import CudaTimer
+from adaattn.errors import Unsupported
+
+pytestmark = pytest.mark.gpu
+
+# provider -> a substring every kernel name of that backend carries (torch 2.11 - 2.13 on Hopper)
+FORCED_KERNELS = {"sdpa_flash": "flash", "sdpa_efficient": "fmha_cutlass", "sdpa_cudnn": "cudnn", "sdpa_math": "gemm"}
+
+
+def _case(b, h, s, d, causal, dtype):
+    return AttentionCase(batch=b, heads=h, seq_len=s, head_dim=d, causal=causal, dtype=dtype, device="cuda")
+
+
+def _qkv(case, layout="bhsd"):
+    shape = (case.batch, case.heads, case.seq_len, case.head_dim)
+    qkv = [torch.randn(shape, device="cuda", dtype=case.torch_dtype) for _ in range(3)]
+    return qkv if layout == "bhsd" else [t.transpose(1, 2).contiguous() for t in qkv]
+
+
+@pytest.mark.parametrize("provider", sorted(FORCED_KERNELS))
+def test_forced_backend_runs_its_kernel(provider):
+    case = _case(4, 8, 1024, 64, False, "bf16")
+    q, k, v = _qkv(case)
+    fn = PROVIDERS[provider].build(case)
+    names = kernels_ran(lambda: fn(q, k, v), "cuda", top=5)
+    assert FORCED_KERNELS[provider] in names.lower(), names
+
+
+# 1023: not a multiple of any tile; head dim 128 and 64; both masks
+@pytest.mark.parametrize("provider", [n for n, p in PROVIDERS.items() if "cuda" in p.devices])
+@pytest.mark.parametrize("shape", [(2, 8, 1023, 128), (3, 4, 256, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_providers_match_float64(provider, shape, causal):
+    p = PROVIDERS[provider]
+    if reason := p.unavailable("cuda"):
+        pytest.skip(reason)
+    case = _case(*shape, causal, "bf16")
+    q, k, v = _qkv(case)
+    ref = attention_ref(q, k, v, causal)
+    lowp = PROVIDERS["standard"].build(case)(q, k, v)
+    args = (q, k, v) if p.layout == "bhsd" else [t.transpose(1, 2).contiguous() for t in (q, k, v)]
+    try:
+        out = p.build(case)(*args)
+    except Unsupported as err:
+        pytest.skip(str(err))
+    out = out if p.layout == "bhsd" else out.transpose(1, 2)
+    assert (out.double() - ref).abs().max() <= 2 * (lowp.double() - ref).abs().max() + 1e-2
+
+
+def test_cuda_timer_and_memory():
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    q = CudaTimer(warmup_ms=5, rep_ms=20)(lambda: a @ a)
+    assert 0 < q.p20 <= q.p50 <= q.p80 and q.n >= CudaTimer.MIN_REPEATS
+    peak = peak_memory_bytes(lambda: torch.empty(64 * 2**20, device="cuda", dtype=torch.uint8), "cuda")
+    assert peak == 64 * 2**20

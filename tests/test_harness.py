@@ -1,0 +1,147 @@
+"""The harness: formulas, quantiles, status rows, memory, accuracy, atomic writes."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from adaattn.attention.providers import AttentionCase
+from adaattn.bench import results as results_mod
+from adaattn.bench.accuracy import accuracy
+from adaattn.bench.harness import Case, Harness, Workload, classify_error
+from adaattn.errors import Unsupported
+from adaattn.bench.memory import peak_memory_bytes
+from adaattn.bench.roofline import Ceilings, gbps, mode_flops, tflops
+from adaattn.bench.timing import CpuTimer, quantiles
+
+
+def test_attention_flops_formula():
+    case = AttentionCase(batch=32, seq_len=1024, heads=16, head_dim=64, causal=False, dtype="bf16", device="cpu")
+    assert case.flops_fwd() == 4 * 32 * 16 * 1024**2 * 64
+    causal = AttentionCase(**{**case.__dict__, "causal": True})
+    assert causal.flops_fwd() == case.flops_fwd() / 2
+    assert mode_flops(100.0, "bwd") == 250.0 and mode_flops(100.0, "fwd_bwd") == 350.0
+    with pytest.raises(ValueError, match="allowed"):
+        mode_flops(1.0, "sideways")
+
+
+def test_rate_units():
+    assert tflops(2e12, 1000.0) == pytest.approx(2.0)  # 2 TFLOP in 1 s
+    assert gbps(3e9, 1.0) == pytest.approx(3000.0)  # 3 GB in 1 ms
+
+
+def test_quantiles_interpolate_like_numpy():
+    q = quantiles([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (q.p20, q.p50, q.p80, q.n) == (pytest.approx(1.8), 3.0, pytest.approx(4.2), 5)
+    with pytest.raises(ValueError):
+        quantiles([])
+
+
+def test_cpu_timer_counts_calls_and_clears_grads():
+    calls = []
+    x = torch.ones(3, requires_grad=True)
+    x.grad = torch.ones(3)
+
+    def fn():
+        assert x.grad is None
+        calls.append(1)
+
+    q = CpuTimer(warmup=2, repeats=7)(fn, grad_to_none=[x])
+    assert len(calls) == 9 and q.n == 7 and q.p20 <= q.p50 <= q.p80
+
+
+def test_cpu_peak_memory_sees_a_known_allocation():
+    n = 8 * 2**20 // 4  # 8 MiB of float32
+
+    def fn():
+        a = torch.empty(n)
+        b = torch.empty(n)  # both alive: 16 MiB peak
+        return a.sum() + b.sum()
+
+    peak = peak_memory_bytes(fn, "cpu")
+    assert 16 * 2**20 <= peak < 17 * 2**20
+
+
+def test_accuracy_metrics():
+    ref = torch.randn(4, 5, dtype=torch.float64)
+    assert accuracy(ref.float(), ref)["rel_l2"] < 1e-6
+    noisy = ref + 0.1 * ref.norm() / math.sqrt(ref.numel()) * torch.randn_like(ref)
+    m = accuracy(noisy, ref)
+    assert 0.02 < m["rel_l2"] < 0.3 and m["cosine"] < 1.0
+    bad = ref.clone()
+    bad[0, 0] = float("nan")
+    m = accuracy(bad, ref)
+    assert m["rel_l2"] == math.inf and math.isnan(m["cosine"])
+    with pytest.raises(ValueError, match="shape"):
+        accuracy(ref[:2], ref)
+
+
+class _ToyStudy:
+    """A study whose providers fail in every way the harness must record."""
+
+    def __init__(self):
+        self.x = torch.randn(64, 64)
+
+    def setup(self, case, provider, requires_grad):
+        x = self.x.detach().clone().requires_grad_(requires_grad)
+        if provider == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        if provider == "unsupported":
+            raise Unsupported("head dim 40 not supported")
+        if provider == "broken":
+            raise KeyError("boom")
+        return Workload(fwd=lambda: torch.softmax(x @ x, -1), inputs=[x], flops_fwd=2 * 64**3)
+
+    def reference(self, case):
+        return torch.softmax(self.x.double() @ self.x.double(), -1)
+
+    def unavailable(self, provider, device):
+        return "package not importable" if provider == "missing" else None
+
+    def has_backward(self, provider):
+        return provider != "fwd_only"
+
+
+def test_harness_records_every_status_and_goes_on():
+    case = Case("toy/1", "T-1", {"n": 64}, ("ok", "oom", "unsupported", "broken", "missing", "fwd_only"),
+                ("fwd", "fwd_bwd"))
+    h = Harness("cpu", CpuTimer(1, 3), Ceilings(10.0, 1.0, "fp32", 64))
+    rows = pd.DataFrame(h.run(_ToyStudy(), [case]))
+    status = rows[rows.metric == "time_ms"].set_index(["provider", "mode"])["status"]
+    assert status[("ok", "fwd")] == "ok" and status[("ok", "fwd_bwd")] == "ok"
+    assert set(status.xs("oom", level=0)) == {"oom"}
+    assert set(status.xs("unsupported", level=0)) == {"unsupported"}
+    assert set(status.xs("broken", level=0)) == {"error"}
+    assert set(status.xs("missing", level=0)) == {"unavailable"}
+    assert status[("fwd_only", "fwd")] == "ok" and status[("fwd_only", "fwd_bwd")] == "unsupported"
+    ok = rows[(rows.provider == "ok") & (rows["mode"] == "fwd")].set_index("metric")
+    assert ok.loc["rel_l2", "value"] < 1e-6 and ok.loc["peak_mem_mb", "value"] > 0
+    assert ok.loc["tflops", "p20"] <= ok.loc["tflops", "value"] <= ok.loc["tflops", "p80"]
+    assert "aten::mm" in ok.loc["time_ms", "kernel"]
+    reasons = rows[rows.status != "ok"].set_index("provider")["reason"]
+    assert "out of memory" in reasons["oom"].iloc[0] and "KeyError" in reasons["broken"].iloc[0]
+
+
+def test_classify_error():
+    assert classify_error(torch.OutOfMemoryError("x"))[0] == "oom"
+    assert classify_error(NotImplementedError("x"))[0] == "unsupported"
+    assert classify_error(RuntimeError("x"))[0] == "error"
+
+
+def test_write_results_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "study" / "cpu.csv"
+    row = {"study": "s", "case_id": "c", "metric": "time_ms", "value": 1.0, "status": "ok"}
+    results_mod.write_results(path, [row], [])
+    before = path.read_bytes()
+
+    def explode(self, *a, **k):
+        raise KeyboardInterrupt  # interrupted mid-write
+
+    monkeypatch.setattr(pd.DataFrame, "to_csv", explode)
+    with pytest.raises(KeyboardInterrupt):
+        results_mod.write_results(path, [{**row, "value": 2.0}], [])
+    assert path.read_bytes() == before
+    assert [p.name for p in path.parent.iterdir()] == ["cpu.csv"]  # no temp file left behind
+    with pytest.raises(ValueError, match="unknown columns"):
+        results_mod.write_results(path, [{"nonsense": 1}], [])
