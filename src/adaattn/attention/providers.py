@@ -83,11 +83,18 @@ def _sdpa_forced(backend_name: str) -> Callable[[AttentionCase], AttnFn]:
 
         def fn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             # A single allowed backend: SDPA raises "No available kernel" rather than falling back.
-            with sdpa_kernel([backend]), warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            with sdpa_kernel([backend]):
                 try:
                     return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
                 except RuntimeError as err:
+                    # SDPA says why only through warnings: call again to collect them (error path only,
+                    # so the timed call carries no warnings machinery)
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        try:
+                            F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+                        except RuntimeError:
+                            pass
                     why = "; ".join(str(w.message).splitlines()[0] for w in caught)
                     raise Unsupported(f"SDPA {backend_name} rejected the inputs: {why or err}") from err
 
@@ -130,23 +137,25 @@ def _flex_compiled() -> Callable:
             setattr(cfg, knob, 512)
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         cfg.fail_on_recompile_limit_hit = True
-    # dynamic=True: one compile per (dtype, head dim, mask, grad) group with symbolic B and S; with
-    # static shapes every sweep point compiled again (138 s of compiles in a 50-case H200 sweep).
+    # dynamic=True: one compile per (dtype, head dim, mask, grad) group with symbolic B and S.
     return torch.compile(flex_attention, dynamic=True, fullgraph=True)
+
+
+def _causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _full_mask(b, h, q_idx, kv_idx):
+    return q_idx >= 0
 
 
 def _flex(case: AttentionCase) -> AttnFn:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def causal_mod(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
-
-    def full_mod(b, h, q_idx, kv_idx):
-        return q_idx >= 0
-
-    # Built here, outside the timed call: with block_mask=None flex_attention would build a full
-    # mask inside every call.
-    block_mask = create_block_mask(causal_mod if case.causal else full_mod, None, None, case.seq_len,
+    # Built here, outside the timed call (with block_mask=None flex_attention builds a full mask
+    # inside every call). The mask functions live at module level: dynamo guards on them, and a
+    # new closure per case recompiled every sweep point.
+    block_mask = create_block_mask(_causal_mask if case.causal else _full_mask, None, None, case.seq_len,
                                    case.seq_len, device=case.device)
     flex = _flex_compiled()
 
