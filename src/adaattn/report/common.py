@@ -70,8 +70,12 @@ def provenance_table(df: pd.DataFrame, current_hashes: dict[str, str | None]) ->
     """One line per target: hardware, software, commit, params hash, and whether it is stale."""
     cols = ["target", "hardware", "hardware_count", "driver", "cuda", "cudnn", "torch", "triton", "python",
             "git_commit", "git_dirty", "code_hash", "params_hash", "measured_at"]
-    prov = df[cols].drop_duplicates("target").copy()
-    prov["git_commit"] = prov["git_commit"].astype(str).str[:10]
+    prov = df[cols].drop_duplicates("target").copy().astype(object)
+    prov = prov.where(prov.notna(), "-")
+    for col in ("cuda", "cudnn", "hardware_count"):  # read back as floats (CPU rows are empty)
+        prov[col] = prov[col].map(lambda v: v if isinstance(v, str) else f"{v:g}")
+    prov["git_commit"] = prov["git_commit"].map(
+        lambda c: c[:10] if c != "unknown" else "unknown (no git history on that machine; see code_hash)")
 
     def status(row: pd.Series) -> str:
         cur = current_hashes.get(row["target"])

@@ -1,0 +1,71 @@
+"""A real `mlflow ui` on a loopback port, opened in headless Chromium (Debian's, via Playwright)."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_mlflow_ui_lists_study_runs(repo, tmp_path):
+    assert Path(CHROMIUM).exists(), "Debian's chromium is needed: apt-get install chromium (scripts/install.sh)"
+    from mlflow import MlflowClient
+    from playwright.sync_api import sync_playwright
+
+    from adaattn.tracking.mlflow_log import sync
+    from adaattn_experiments import STUDIES
+
+    store = tmp_path / "mlflow.db"
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    sync(STUDIES, repo / "results", repo / "reports", tmp_path, tmp_path / "sync.json")
+    client = MlflowClient(f"sqlite:///{store}")
+    exp = client.get_experiment_by_name("attention_backends")
+    parents = [r for r in client.search_runs([exp.experiment_id], max_results=5000)
+               if "mlflow.parentRunId" not in r.data.tags]
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{store}", "--host", "127.0.0.1",
+         "--port", str(port)], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None, "mlflow ui did not come up"
+                time.sleep(1)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.goto(f"http://127.0.0.1:{port}/#/experiments/{exp.experiment_id}", timeout=60_000)
+            for run in parents:
+                page.get_by_text(run.info.run_name, exact=False).first.wait_for(timeout=60_000)
+            shots = repo / "test-artifacts"
+            shots.mkdir(exist_ok=True)
+            page.screenshot(path=str(shots / "mlflow_ui_attention_backends.png"), full_page=True)
+            body = page.inner_text("body")
+            browser.close()
+        assert "attention_backends" in body
+        assert all(run.info.run_name in body for run in parents)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,0 +1,97 @@
+"""End to end: `dvc repro` on a CPU-only copy of the repository with small CPU params.
+
+Asserts: only the CPU target is measured; the committed GPU results stay byte-identical; results,
+MLflow runs (through the MLflow client) and figures exist; a second `dvc repro` does nothing.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.e2e
+
+SMALL_CPU = {
+    "G1-T2": {"batch": 1, "seq_len": 64, "d_model": 128, "heads": 4, "dtypes": ["fp32"], "modes": ["fwd", "fwd_bwd"],
+              "providers": ["sdpa", "sdpa_math", "standard", "sdpa_cudnn"]},
+    "G1-T1": {"tokens": 256, "seq_lens": [64, 128], "d_model": 128, "head_dims": [32], "causal": [False, True],
+              "dtypes": ["fp32"], "modes": ["fwd", "fwd_bwd"], "providers": ["sdpa", "standard"]},
+}
+
+
+def _tree_files(repo: Path) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=repo,
+                         capture_output=True, text=True, check=True).stdout
+    return [f for f in out.split("\0") if f and (repo / f).is_file()]
+
+
+def _copy_repo(repo: Path, dest: Path) -> None:
+    for rel in _tree_files(repo):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / rel, dest / rel)
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"]):
+        subprocess.run(cmd, cwd=dest, check=True)
+
+
+def _dvc(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_dvc_repro_on_cpu(repo, tmp_path):
+    work = tmp_path / "repo"
+    _copy_repo(repo, work)
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    gpu_targets = [name for name, t in params["targets"].items() if t["device"] == "cuda"]
+    committed = {t: (work / f"results/attention_backends/{t}.csv").read_bytes() for t in gpu_targets}
+    assert committed, "the repository commits results for at least one GPU target"
+    for section, small in SMALL_CPU.items():
+        params[section]["cpu"] = small
+    params["bench"]["cpu"] = {"warmup": 1, "repeats": 2}
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    first = _dvc(["repro"], work)
+    assert first.returncode == 0, first.stdout + first.stderr
+    log = first.stdout + first.stderr
+    assert "Running stage 'attention_backends@cpu'" in log
+    for t in gpu_targets:
+        assert f"Running stage 'attention_backends@{t}'" not in log
+        assert (work / f"results/attention_backends/{t}.csv").read_bytes() == committed[t], f"{t} results changed"
+
+    import pandas as pd
+
+    cpu = pd.read_csv(work / "results/attention_backends/cpu.csv")
+    assert set(cpu["seq_len"].dropna().astype(int)) == {64, 128}
+    assert (cpu[cpu["provider"] == "sdpa_cudnn"]["status"] == "unavailable").all()
+    assert (cpu[(cpu["provider"] == "sdpa") & (cpu["metric"] == "time_ms")]["status"] == "ok").all()
+    assert (work / "reports/attention_backends/G1-T1_cpu_fp32.png").stat().st_size > 10_000
+    assert "G1-T2" in (work / "reports/README.md").read_text()
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("attention_backends")
+    runs = client.search_runs([exp.experiment_id], max_results=5000)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert sorted(r.data.tags["target"] for r in parents) == sorted(["cpu", *gpu_targets])
+    cpu_parent = next(r for r in parents if r.data.tags["target"] == "cpu")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == cpu_parent.info.run_id]
+    assert len(children) == 2 * 4 + 4 * 2  # G1-T2: 4 providers; G1-T1: 4 shapes x 2 providers
+    child = next(c for c in children if c.data.params["provider"] == "sdpa")
+    assert child.data.metrics["fwd.time_ms"] > 0 and child.data.tags["table_id"] in {"G1-T1", "G1-T2"}
+    assert child.data.tags["hardware"] == cpu_parent.data.tags["hardware"]
+    artifacts = [a.path for a in client.list_artifacts(cpu_parent.info.run_id, "figures")]
+    assert "figures/G1-T1_cpu_fp32.png" in artifacts
+
+    second = _dvc(["repro"], work)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "Running stage" not in second.stdout + second.stderr
+    again = client.search_runs([exp.experiment_id], max_results=5000)
+    assert len(again) == len(runs)  # re-running never duplicates runs
