@@ -68,7 +68,9 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
     target = path.stem
     sha = _sha(path)
     exp = client.get_experiment_by_name(study)
-    exp_id = exp.experiment_id if exp else client.create_experiment(study)
+    # experimentKind: MLflow 3's UI opens a "custom model development" experiment on its runs table
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        study, tags={"mlflow.experimentKind": "custom_model_development", "adaattn.study": study})
     existing = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{study}/{target}'")
     if any(r.data.tags.get(SHA_TAG) == sha for r in existing):
         return "unchanged"
