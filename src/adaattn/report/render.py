@@ -11,13 +11,11 @@ from typing import Any
 import pandas as pd
 
 from adaattn.bench.results import read_study
-from adaattn.config import ConfigError, params_hash
+from adaattn.config import params_hash, validate
 from adaattn.report.common import Section, Verdict, guide_figures, md_table, provenance_table
 
 
 def _current_hashes(study: Any, raw: dict, df: pd.DataFrame) -> dict[str, str | None]:
-    from adaattn.config import validate
-
     params = validate(raw)
     hashes: dict[str, str | None] = {}
     for target in df["target"].dropna().unique():
@@ -91,5 +89,3 @@ def _anchor(section: Section) -> str:
     text = f"{section.table_id}: {section.title}".lower()
     return "".join(ch for ch in text.replace(" ", "-") if ch.isalnum() or ch in "-_")
 
-
-__all__ = ["render_all", "render_study", "ConfigError"]

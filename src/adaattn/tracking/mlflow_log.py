@@ -63,7 +63,7 @@ def _child_runs(df: pd.DataFrame, config_columns: list[str]):
 
 def log_results_file(client, study: str, path: Path, config_columns: list[str], artifacts: list[Path]) -> str:
     """Log one results file; returns 'unchanged' or 'logged'."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, Param
 
     target = path.stem
     sha = _sha(path)
