@@ -33,14 +33,6 @@ def test_mlflow_ui_lists_study_runs(repo, tmp_path):
     from adaattn_experiments import STUDIES
 
     store = tmp_path / "mlflow.db"
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    sync(STUDIES, repo / "results", repo / "reports", tmp_path, tmp_path / "sync.json")
-    client = MlflowClient(f"sqlite:///{store}")
-    exp = client.get_experiment_by_name("attention_backends")
-    runs = client.search_runs([exp.experiment_id], max_results=5000)
-    newest_parent = max((r for r in runs if "mlflow.parentRunId" not in r.data.tags),
-                        key=lambda r: r.info.start_time)
-
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{store}", "--host", "127.0.0.1",
@@ -54,6 +46,23 @@ def test_mlflow_ui_lists_study_runs(repo, tmp_path):
             except OSError:
                 assert time.time() < deadline and server.poll() is None, "mlflow ui did not come up"
                 time.sleep(1)
+        # the runs reach the server the way a remote tracking server gets them: MLFLOW_TRACKING_URI
+        uri = f"http://127.0.0.1:{port}"
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        results = tmp_path / "results" / "attention_backends"
+        results.mkdir(parents=True)  # the CPU target only: every run goes over HTTP
+        shutil.copy(repo / "results/attention_backends/cpu.csv", results)
+        try:
+            sync(STUDIES, tmp_path / "results", repo / "reports", tmp_path, tmp_path / "sync.json")
+        finally:
+            del os.environ["MLFLOW_TRACKING_URI"]
+        assert not (tmp_path / "mlruns").exists()  # nothing went to a local store
+        client = MlflowClient(uri)
+        exp = client.get_experiment_by_name("attention_backends")
+        runs = client.search_runs([exp.experiment_id], max_results=5000)
+        newest_parent = max((r for r in runs if "mlflow.parentRunId" not in r.data.tags),
+                            key=lambda r: r.info.start_time)
+        assert client.list_artifacts(newest_parent.info.run_id, "figures")
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1000})

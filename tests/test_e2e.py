@@ -95,3 +95,10 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     assert "Running stage" not in second.stdout + second.stderr
     again = client.search_runs([exp.experiment_id], max_results=5000)
     assert len(again) == len(runs)  # re-running never duplicates runs
+
+    # a timing is never restored from DVC's run cache: a deleted result is measured again
+    (work / "results/attention_backends/cpu.csv").unlink()
+    third = _dvc(["repro", "attention_backends@cpu"], work)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "Running stage 'attention_backends@cpu'" in third.stdout
+    assert "run-cache" not in third.stdout + third.stderr
