@@ -53,6 +53,11 @@ def _first_ok(rows: pd.DataFrame, names: tuple[str, ...]) -> pd.Series | None:
     return None
 
 
+def _reasons(rows: pd.DataFrame, providers: tuple[str, ...]) -> str:
+    """Why these providers did not run, each distinct reason once."""
+    return "; ".join(sorted(set(rows[rows["provider"].isin(providers)]["reason"].dropna().astype(str))))
+
+
 def _guide_name(provider: str) -> str | None:
     return next((g for g, ours in GUIDE_PROVIDERS.items() if provider == ours[0]), None)
 
@@ -123,7 +128,7 @@ def _g1_t1_verdicts(fwd: pd.DataFrame, base_ms: float, label: str) -> list[Verdi
         lo, hi = rel[gname]
         row = _first_ok(fwd, ours)
         if row is None or math.isnan(base_ms):
-            reasons = "; ".join(sorted(set(fwd[fwd["provider"].isin(ours)]["reason"].dropna().astype(str))))
+            reasons = _reasons(fwd, ours)
             out.append(Verdict("G1-T1", f"{gname} speed vs SDPA", f"{lo}-{hi}x", "-", label, "not measurable here",
                                reasons or "no provider ran"))
             continue
@@ -143,7 +148,7 @@ def _g1_t2_verdicts(target: str, hw: str, dtype: str, fwd: pd.DataFrame, mem: pd
         row = _first_ok(fwd, ours)
         gms = guide["forward_ms"][gname]
         if row is None:
-            reasons = "; ".join(sorted(set(fwd[fwd["provider"].isin(ours)]["reason"].dropna().astype(str))))
+            reasons = _reasons(fwd, ours)
             out.append(Verdict("G1-T2", f"{gname} forward ms", f"{gms} ms", "-", label, "not measurable here",
                                reasons or "no provider ran"))
             continue

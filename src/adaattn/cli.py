@@ -82,10 +82,10 @@ def build_app(studies: Mapping[str, Any]) -> typer.Typer:
         from adaattn.report.render import render_all
 
         try:
-            _, raw = load_params(params)
+            cfg, raw = load_params(params)
         except ConfigError as err:
             fail(str(err))
-        console.print(f"wrote {render_all(studies, raw, results, out)}")
+        console.print(f"wrote {render_all(studies, cfg, raw, results, out)}")
 
     @app.command()
     def log(

@@ -11,12 +11,11 @@ from typing import Any
 import pandas as pd
 
 from adaattn.bench.results import read_study
-from adaattn.config import params_hash, validate
+from adaattn.config import Params, params_hash
 from adaattn.report.common import Section, Verdict, guide_figures, md_table, provenance_table
 
 
-def _current_hashes(study: Any, raw: dict, df: pd.DataFrame) -> dict[str, str | None]:
-    params = validate(raw)
+def _current_hashes(study: Any, params: Params, raw: dict, df: pd.DataFrame) -> dict[str, str | None]:
     hashes: dict[str, str | None] = {}
     for target in df["target"].dropna().unique():
         t = params.targets.get(target)
@@ -24,7 +23,7 @@ def _current_hashes(study: Any, raw: dict, df: pd.DataFrame) -> dict[str, str | 
     return hashes
 
 
-def render_study(study: Any, raw: dict, results_root: Path, reports_root: Path) -> list[Section]:
+def render_study(study: Any, params: Params, raw: dict, results_root: Path, reports_root: Path) -> list[Section]:
     df = read_study(results_root, study.name)
     if df.empty:
         return []
@@ -36,7 +35,7 @@ def render_study(study: Any, raw: dict, results_root: Path, reports_root: Path) 
         f"# Study `{study.name}` ({', '.join(study.table_ids)})\n",
         "Rendered by `adaattn report` from `results/" + study.name + "/*.csv` only. Regenerate with `dvc repro`.\n",
         "## Where the numbers come from\n",
-        provenance_table(df, _current_hashes(study, raw, df)) + "\n",
+        provenance_table(df, _current_hashes(study, params, raw, df)) + "\n",
         "Machine ceilings measured at the start of each run:\n",
         md_table(ceilings) + "\n",
     ]
@@ -55,11 +54,12 @@ def _verdict_table(verdicts: list[Verdict]) -> str:
     } for v in verdicts]))
 
 
-def render_all(studies: Mapping[str, Any], raw: dict, results_root: Path, reports_root: Path) -> Path:
+def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_root: Path,
+               reports_root: Path) -> Path:
     reports_root.mkdir(parents=True, exist_ok=True)
     by_id: dict[str, tuple[str, Section]] = {}
     for name, study in studies.items():
-        for section in render_study(study, raw, results_root, reports_root):
+        for section in render_study(study, params, raw, results_root, reports_root):
             by_id[section.table_id] = (name, section)
     lines = [
         "# Reports: every guide table and claim, regenerated\n",
