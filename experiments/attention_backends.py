@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import seaborn as sns
 import torch
 from torch import Tensor
 
@@ -96,9 +95,26 @@ class AttentionBackends:
             q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, S, H, D)
         q, k, v = (t.detach().clone().requires_grad_(requires_grad) for t in (q, k, v))
         fn = p.build(c)
-        to_ref = (lambda t: t.transpose(1, 2)) if p.layout == "bshd" else (lambda t: t)
+        # the reference covers the first batch element
+        to_ref = (lambda t: t.transpose(1, 2)[:1]) if p.layout == "bshd" else (lambda t: t[:1])
         return Workload(fwd=lambda: fn(q, k, v), inputs=[q, k, v], flops_fwd=c.flops_fwd(),
                         to_reference_layout=to_ref)
+
+    def compile_groups(self, cases: list[Case]) -> list[list[tuple[Case, str, str]]]:
+        """(case, provider, mode) first calls of the compiled providers, one list per compile:
+        (provider, dtype, head dim, mask, mode), in the order the harness will make them."""
+        groups: dict[tuple, list[tuple[Case, str, str]]] = {}
+        for case in cases:
+            for provider in case.providers:
+                p = PROVIDERS[provider]
+                if not p.compiled or p.unavailable(self.device):
+                    continue
+                for mode in case.modes:
+                    if mode == "fwd" or self.has_backward(provider):
+                        c = case.config
+                        key = (provider, c["dtype"], c["head_dim"], c["causal"], mode)
+                        groups.setdefault(key, []).append((case, provider, mode))
+        return list(groups.values())
 
     def reference(self, case: Case) -> Tensor:
         # First batch element only: the float64 reference costs S^2 memory per head, and every

@@ -20,6 +20,11 @@ SMALL_CPU = {
               "providers": ["sdpa", "sdpa_math", "standard", "sdpa_cudnn"]},
     "G1-T1": {"tokens": 256, "seq_lens": [64, 128], "d_model": 128, "head_dims": [32], "causal": [False, True],
               "dtypes": ["fp32"], "modes": ["fwd", "fwd_bwd"], "providers": ["sdpa", "standard"]},
+    "G4-T2": {"batch": 2, "seq_len": 32, "dim": 128, "head_dim": 64, "gqa": 1, "kernels": ["rms_norm", "rope"],
+              "dtypes": ["fp32"], "modes": ["fwd"], "providers": ["eager", "ours"]},
+    "G4-T1": {"tokens": [64], "hidden": {"rms_norm": [64], "swiglu": [64], "rope": [128], "qk_norm_rope": [128]},
+              "head_dim": 64, "gqa": 2, "dtypes": ["fp32"], "modes": ["fwd", "fwd_bwd"], "providers": ["eager", "ours"],
+              "rope_cache": {"layers": 24, "head_dim": 64, "max_seq_len": 256}},
 }
 
 
@@ -51,6 +56,9 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     params = yaml.safe_load((work / "params.yaml").read_text())
     gpu_targets = [name for name, t in params["targets"].items() if t["device"] == "cuda"]
     committed = {t: (work / f"results/attention_backends/{t}.csv").read_bytes() for t in gpu_targets}
+    kernels_gpu = {t: (work / f"results/kernels/{t}.csv").read_bytes() for t in params["study_targets"]["kernels"]
+                   if t in gpu_targets}
+    assert kernels_gpu, "the repository commits kernels results for at least one GPU target"
     assert committed, "the repository commits results for at least one GPU target"
     for section, small in SMALL_CPU.items():
         params[section]["cpu"] = small
@@ -64,6 +72,10 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     for t in gpu_targets:
         assert f"Running stage 'attention_backends@{t}'" not in log
         assert (work / f"results/attention_backends/{t}.csv").read_bytes() == committed[t], f"{t} results changed"
+    assert "Running stage 'kernels@cpu'" in log
+    for t, blob in kernels_gpu.items():
+        assert f"Running stage 'kernels@{t}'" not in log
+        assert (work / f"results/kernels/{t}.csv").read_bytes() == blob, f"kernels {t} results changed"
 
     import pandas as pd
 

@@ -5,8 +5,7 @@ import torch
 
 from adaattn.attention.providers import PROVIDERS, AttentionCase
 from adaattn.attention.reference import attention_ref
-from adaattn.bench.harness import kernels_ran
-from adaattn.bench.memory import peak_memory_bytes
+from adaattn.bench.memory import kernels_ran, peak_memory_bytes
 from adaattn.bench.timing import CudaTimer
 from adaattn.errors import Unsupported
 

@@ -12,6 +12,7 @@ from adaattn.bench.accuracy import accuracy
 from adaattn.bench.harness import Case, Harness, Workload, classify_error
 from adaattn.errors import Unsupported
 from adaattn.bench.memory import peak_memory_bytes
+from adaattn.bench.compile_cache import warm_compile_cache
 from adaattn.bench.roofline import Ceilings, gbps, mode_flops, tflops
 from adaattn.bench.timing import CpuTimer, quantiles
 
@@ -145,3 +146,39 @@ def test_write_results_is_atomic(tmp_path, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == ["cpu.csv"]  # no temp file left behind
     with pytest.raises(ValueError, match="unknown columns"):
         results_mod.write_results(path, [{"nonsense": 1}], [])
+
+
+class _WarmStudy:
+    """Records, per first call, the process and the grad mode it ran in (module level: picklable)."""
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+
+    def setup(self, case, provider, requires_grad):
+        import os
+
+        if provider == "broken":
+            raise RuntimeError("cannot compile")
+        x = torch.ones(3, requires_grad=requires_grad)
+
+        def fwd():
+            (self.log_dir / f"{case.case_id}-{provider}").write_text(f"{os.getpid()} {torch.is_grad_enabled()}")
+            return x * 2
+
+        return Workload(fwd=fwd, inputs=[x], flops_fwd=0)
+
+
+def test_warm_compile_cache_runs_each_group_in_a_worker(tmp_path):
+    import os
+
+    case = lambda i: Case(f"c{i}", "T", {}, ("p",), ("fwd",))  # noqa: E731
+    groups = [[(case(0), "p", "fwd"), (case(1), "p", "fwd")], [(case(2), "p", "fwd_bwd")],
+              [(case(3), "broken", "fwd")]]
+    report = warm_compile_cache(_WarmStudy(tmp_path), groups, "cpu", workers=2)
+    assert report.groups == 3 and report.workers == 2 and report.seconds > 0
+    assert len(report.failures) == 1 and "c3 broken fwd: RuntimeError: cannot compile" in report.failures[0]
+    seen = {f.name: f.read_text().split() for f in tmp_path.iterdir()}
+    assert set(seen) == {"c0-p", "c1-p", "c2-p"}
+    assert all(pid != str(os.getpid()) for pid, _ in seen.values())  # never in the measuring process
+    assert seen["c0-p"][1] == "False" and seen["c2-p"][1] == "True"  # the grad mode the harness times in
+    assert warm_compile_cache(_WarmStudy(tmp_path), [], "cpu", workers=4).workers == 0

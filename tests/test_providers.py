@@ -4,6 +4,8 @@ Tolerance (flash-attention's rule): max|out - ref_fp64| <= 2 * max|out_torch_low
 where out_torch_lowp is plain matmul-softmax-matmul in the same low precision.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -110,3 +112,26 @@ def test_reference_is_chunk_invariant():
     torch.testing.assert_close(attention_ref(q, k, v, True, chunk=64), attention_ref(q, k, v, True, chunk=4096))
     with pytest.raises(ValueError, match="B, H, S, D"):
         attention_ref(q[0], k[0], v[0])
+
+
+def test_attention_study_compile_groups():
+    from adaattn.config import load_params
+    from adaattn_experiments.attention_backends import AttentionBackends
+
+    params, _ = load_params(Path(__file__).parents[1] / "params.yaml")
+    for device, target in (("cpu", "cpu"), ("cuda", "h100")):
+        study = AttentionBackends(device)
+        cases = study.cases(params, params.targets[target])
+        groups = study.compile_groups(cases)
+        items = [item for g in groups for item in g]
+        assert items and {p for _, p, _ in items} == {"flex"}
+        keys = {(c.config["dtype"], c.config["head_dim"], c.config["causal"], m) for c, _, m in items}
+        assert len(groups) == len(keys)  # one group per compile
+        # every flex measurement the harness will make is warmed, in the harness's order
+        expected = [(c, "flex", m) for c in cases if "flex" in c.providers for m in c.modes
+                    if m == "fwd" or study.has_backward("flex")]
+        assert sorted(items, key=expected.index) == expected
+        for g in groups:
+            assert g == sorted(g, key=expected.index)
+    assert all(m == "fwd" for g in AttentionBackends("cpu").compile_groups(
+        AttentionBackends("cpu").cases(params, params.targets["cpu"])) for _, _, m in g)  # no CPU flex backward

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
 
 from adaattn.attention.providers import PROVIDERS
 
@@ -51,11 +51,15 @@ class Target(_Section):
 class GpuTiming(_Section):
     warmup_ms: PositiveInt = 25  # ms of warm-up per measurement (triton.testing.do_bench)
     rep_ms: PositiveInt = 100  # ms of timed repeats per measurement
+    # worker processes that compile a study's torch.compile'd providers in parallel before
+    # anything is timed (they fill inductor's on-disk caches); 0 compiles in the measuring process
+    compile_workers: NonNegativeInt = 0
 
 
 class CpuTiming(_Section):
     warmup: PositiveInt = 1  # untimed calls before timing
     repeats: PositiveInt = 5  # timed calls; quantiles are taken over these
+    compile_workers: NonNegativeInt = 0  # as GpuTiming.compile_workers
 
 
 class Bench(_Section):
@@ -143,6 +147,58 @@ class G1T1Section(ByProfile):
     gpu: G1T1Sweep
 
 
+KERNEL_PROVIDERS = ("eager", "compile", "liger", "ours")
+KernelName = Literal["rms_norm", "swiglu", "rope", "qk_norm_rope"]
+
+
+class _KernelCommon(_Section):
+    dtypes: Annotated[list[DType], Field(min_length=1)]
+    modes: Annotated[list[Literal["fwd", "bwd", "fwd_bwd"]], Field(min_length=1)]
+    providers: Annotated[list[Literal[KERNEL_PROVIDERS]], Field(min_length=1)]  # type: ignore[valid-type]
+    head_dim: PositiveInt = 128  # rope kernels: heads = hidden / head_dim
+    gqa: PositiveInt = 4  # rope kernels: query heads per kv head
+
+    @field_validator("head_dim")
+    @classmethod
+    def _even(cls, v: int) -> int:
+        if v % 2:
+            raise ValueError(f"head_dim must be even (rotary pairs); got {v}")
+        return v
+
+
+class G4T2Point(_KernelCommon):
+    """The guide's point: B=4, S=512, D=768, for RoPE, SwiGLU, RMSNorm."""
+
+    batch: PositiveInt
+    seq_len: PositiveInt
+    dim: PositiveInt
+    kernels: Annotated[list[KernelName], Field(min_length=1)]
+
+
+class RopeCache(_Section):
+    layers: PositiveInt  # G4-T1: 24 layers
+    head_dim: PositiveInt
+    max_seq_len: PositiveInt
+
+
+class G4T1Sweep(_KernelCommon):
+    """Hidden size x token count per kernel; GB/s against the copy bandwidth measured in the run."""
+
+    tokens: Annotated[list[PositiveInt], Field(min_length=1)]
+    hidden: Annotated[dict[KernelName, Annotated[list[PositiveInt], Field(min_length=1)]], Field(min_length=1)]
+    rope_cache: RopeCache
+
+
+class G4T2Section(ByProfile):
+    cpu: G4T2Point
+    gpu: G4T2Point
+
+
+class G4T1Section(ByProfile):
+    cpu: G4T1Sweep
+    gpu: G4T1Sweep
+
+
 class Params(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -150,6 +206,22 @@ class Params(BaseModel):
     bench: Bench = Bench()
     g1_t2: G1T2Section = Field(alias="G1-T2")
     g1_t1: G1T1Section = Field(alias="G1-T1")
+    g4_t2: G4T2Section = Field(alias="G4-T2")
+    g4_t1: G4T1Section = Field(alias="G4-T1")
+    study_targets: dict[str, dict[str, Profile]] = {}
+
+    @field_validator("study_targets")
+    @classmethod
+    def _study_targets(cls, v: dict[str, dict[str, str]], info) -> dict[str, dict[str, str]]:
+        targets = info.data.get("targets") or {}
+        for study, entries in v.items():
+            for name, profile in entries.items():
+                if name not in targets:
+                    raise ValueError(f"study_targets.{study}: {name!r} is not a target; allowed: {', '.join(targets)}")
+                if targets[name].profile != profile:
+                    raise ValueError(f"study_targets.{study}.{name}: profile {profile!r} but targets.{name} has "
+                                     f"profile {targets[name].profile!r}")
+        return v
 
     @field_validator("targets")
     @classmethod

@@ -57,6 +57,7 @@ class Provider:
     layout: str = "bhsd"  # "bhsd" (SDPA) or "bshd" (xFormers, flash-attn)
     check: Callable[[], str | None] = lambda: None  # reason the provider cannot load, or None
     backward_devices: frozenset[str] = frozenset({"cpu", "cuda"})  # where it has a backward
+    compiled: bool = False  # torch.compile'd: one compile per (dtype, head dim, mask, grad mode)
     description: str = ""
 
     def unavailable(self, device: str) -> str | None:
@@ -276,7 +277,7 @@ PROVIDERS: dict[str, Provider] = {
     "sdpa_math": Provider("sdpa_math", CPU_CUDA, _sdpa_forced("MATH"), description="SDPA forced: math"),
     "standard": Provider("standard", CPU_CUDA, _standard, description="matmul, softmax, matmul"),
     # FlexAttention raises "does not support backward on CPU" (torch 2.11 - 2.13)
-    "flex": Provider("flex", CPU_CUDA, _flex, check=_check_flex, backward_devices=CUDA,
+    "flex": Provider("flex", CPU_CUDA, _flex, check=_check_flex, backward_devices=CUDA, compiled=True,
                      description="FlexAttention, torch.compile'd"),
     "xformers_cutlass": Provider(
         "xformers_cutlass", CUDA, _xformers("cutlass.FwOp", "cutlass.BwOp"), layout="bshd",

@@ -20,17 +20,32 @@ import torch
 from torch import Tensor
 
 from adaattn.bench.accuracy import accuracy
-from adaattn.bench.memory import peak_memory_bytes, quiet_stderr
-from adaattn.bench.roofline import Ceilings, mode_flops, tflops
+from adaattn.bench.memory import profiled_call
+from adaattn.bench.roofline import Ceilings, gbps, mode_bytes, mode_flops, tflops
+from adaattn.bench.timing import host_time_ms
 from adaattn.errors import Unsupported
+
+
+Outputs = Tensor | tuple[Tensor, ...]
 
 
 @dataclass
 class Workload:
-    fwd: Callable[[], Tensor]  # one forward call on prepared inputs
+    fwd: Callable[[], Outputs]  # one forward call on prepared inputs (a tensor or a tuple of them)
     inputs: Sequence[Tensor]  # leaf tensors (requires_grad for backward modes)
-    flops_fwd: float  # written formula, e.g. 4*B*H*S^2*D (halved if causal)
-    to_reference_layout: Callable[[Tensor], Tensor] = lambda t: t
+    flops_fwd: float = 0.0  # written formula, e.g. 4*B*H*S^2*D (halved if causal); 0: not compute-bound work
+    # written byte counts per mode ("fwd", "bwd"; fwd_bwd is their sum): memory-bound work
+    bytes_by_mode: dict[str, float] | None = None
+    # maps the forward output onto the study's reference (layout, the slice the reference covers)
+    to_reference_layout: Callable[[Outputs], Outputs] = lambda out: out
+
+
+def _tensors(out: Outputs) -> tuple[Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _flat(out: Outputs) -> Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in _tensors(out)])
 
 
 @dataclass(frozen=True)
@@ -64,35 +79,12 @@ def classify_error(err: BaseException) -> tuple[str, str]:
     return "error", f"{type(err).__name__}: {text}"
 
 
-def kernels_ran(fn: Callable[[], object], device: str, top: int = 3) -> str:
-    """Names of the kernels (CUDA) or attention/matmul ops (CPU) one call ran, longest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with quiet_stderr(), profile(activities=activities) as prof:
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for ev in prof.events():
-        if device == "cuda":
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                totals[ev.name] = totals.get(ev.name, 0.0) + ev.device_time
-        elif ev.name.startswith("aten::") and any(
-            key in ev.name for key in ("attention", "flash", "bmm", "mm", "softmax", "flex")
-        ):
-            totals[ev.name] = totals.get(ev.name, 0.0) + ev.self_cpu_time_total
-    if not totals and device != "cuda":  # compiled CPU code runs outside aten ops
-        totals = {ev.name: ev.self_cpu_time_total for ev in prof.events() if not ev.name.startswith("[")}
-    names = sorted(totals, key=totals.get, reverse=True)[:top]
-    return " | ".join(n[:90] for n in names)
-
-
 @dataclass
 class Harness:
     device: str
     timer: Callable
     ceilings: Ceilings
+    host_calls: int = 0  # > 0: also time the host side of this many back-to-back calls (CUDA only)
     rows: list[dict] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # where the run's wall time went
     _refs: dict[str, Tensor | None] = field(default_factory=dict)
@@ -157,47 +149,71 @@ class Harness:
 
     def _release(self) -> None:
         # once per case (gc.collect costs ~0.1 s with dynamo loaded; per call it was minutes a sweep)
-        gc.collect()
-        if self.device == "cuda":
-            torch.cuda.empty_cache()
+        with self._phase("release memory"):
+            gc.collect()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
 
     def _measure(self, study: Study, case: Case, provider: str, mode: str, w: Workload) -> None:
-        with self._phase(f"first call ({provider})"):
-            first = w.fwd()
-        if mode == "fwd":
-            thunk = w.fwd
-        else:
-            grad_out = torch.randn_like(first)
-
-            def thunk() -> Tensor:
-                out = w.fwd()
-                out.backward(grad_out)
-                return out
-
+        acc: dict[str, float] = {}
+        # every call in the grad mode of the timed calls (compiled providers guard on it)
         with torch.no_grad() if mode == "fwd" else torch.enable_grad():
+            with self._phase(f"first call ({provider})"):
+                first = w.fwd()
+            if mode == "fwd":
+                # accuracy from the first call, before timing: an in-place provider (Liger's RoPE)
+                # rewrites its inputs on every later call
+                with self._phase("float64 reference"):
+                    ref = self._reference(study, case)
+                    if ref is not None:
+                        acc = accuracy(_flat(w.to_reference_layout(first)), _flat(ref))
+                thunk = w.fwd
+            else:
+                outs = _tensors(first)
+                grads = tuple(torch.randn_like(t) for t in outs)
+                if mode == "fwd_bwd":
+                    del outs  # and their autograd graph
+
+                    def thunk() -> Outputs:
+                        y = w.fwd()
+                        torch.autograd.backward(_tensors(y), grads)
+                        return y
+                elif mode == "bwd":  # the backward alone, through a graph kept for repeated use
+
+                    def thunk() -> None:
+                        torch.autograd.backward(outs, grads, retain_graph=True)
+                else:
+                    raise ValueError(f"unknown mode {mode!r}; allowed: fwd, bwd, fwd_bwd")
+            del first
+            clear = w.inputs if mode != "fwd" else None
             with self._phase("timing"):
-                t = self.timer(thunk, grad_to_none=w.inputs if mode != "fwd" else None)
-            with self._phase("peak memory"):
-                peak = peak_memory_bytes(thunk, self.device)
-            with self._phase("kernel names (profiler)"):
-                kernel = kernels_ran(thunk, self.device)
-            out = w.fwd() if mode == "fwd" else None
-        flops = mode_flops(w.flops_fwd, mode)
-        common = dict(kernel=kernel)
+                t = self.timer(thunk, grad_to_none=clear)
+            host_ms = None
+            if self.host_calls and self.device == "cuda":
+                with self._phase("host time"):
+                    host_ms = host_time_ms(thunk, self.host_calls, clear)
+            with self._phase("peak memory + kernel names (profiler)"):
+                profiled = profiled_call(thunk, self.device)
+        common = dict(kernel=profiled.kernels)
         self._row(case, provider, mode, "time_ms", t.p50, p20=t.p20, p80=t.p80, unit="ms", **common)
-        # TFLOP/s quantiles: the fast end (p20 time) is the high rate
-        self._row(case, provider, mode, "tflops", tflops(flops, t.p50), p20=tflops(flops, t.p80),
-                  p80=tflops(flops, t.p20), unit="TFLOP/s", **common)
-        self._row(case, provider, mode, "frac_gemm_peak", tflops(flops, t.p50) / self.ceilings.gemm_tflops,
-                  unit=f"of measured {self.ceilings.gemm_dtype} GEMM", **common)
-        self._row(case, provider, mode, "peak_mem_mb", peak / 2**20, unit="MiB", **common)
-        if out is not None:
-            with self._phase("float64 reference"):
-                ref = self._reference(study, case)
-            if ref is not None:
-                got = w.to_reference_layout(out)[: ref.shape[0]]
-                for metric, value in accuracy(got, ref).items():
-                    self._row(case, provider, mode, metric, value, unit="vs float64", **common)
+        if host_ms is not None:
+            self._row(case, provider, mode, "host_ms", host_ms, unit="ms of host time per call, no sync", **common)
+        if w.flops_fwd:
+            flops = mode_flops(w.flops_fwd, mode)
+            # rate quantiles: the fast end (p20 time) is the high rate
+            self._row(case, provider, mode, "tflops", tflops(flops, t.p50), p20=tflops(flops, t.p80),
+                      p80=tflops(flops, t.p20), unit="TFLOP/s", **common)
+            self._row(case, provider, mode, "frac_gemm_peak", tflops(flops, t.p50) / self.ceilings.gemm_tflops,
+                      unit=f"of measured {self.ceilings.gemm_dtype} GEMM", **common)
+        if w.bytes_by_mode:
+            nbytes = mode_bytes(w.bytes_by_mode, mode)
+            self._row(case, provider, mode, "gbps", gbps(nbytes, t.p50), p20=gbps(nbytes, t.p80),
+                      p80=gbps(nbytes, t.p20), unit="GB/s (written byte count)", **common)
+            self._row(case, provider, mode, "frac_copy_bw", gbps(nbytes, t.p50) / self.ceilings.copy_gbps,
+                      unit="of measured copy bandwidth", **common)
+        self._row(case, provider, mode, "peak_mem_mb", profiled.peak_bytes / 2**20, unit="MiB", **common)
+        for metric, value in acc.items():
+            self._row(case, provider, mode, metric, value, unit="vs float64", **common)
 
     def _reference(self, study: Study, case: Case) -> Tensor | None:
         if case.case_id not in self._refs:

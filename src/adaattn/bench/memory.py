@@ -1,4 +1,4 @@
-"""Peak memory of one call, relative to what was allocated before it.
+"""One profiled call: its peak memory, relative to what was allocated before it, and its kernels.
 
 CUDA: the caching allocator's peak over the call minus the allocation before it.
 CPU: the peak of the running sum of every allocation and free the profiler records (its
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -27,25 +28,59 @@ def quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def peak_memory_bytes(fn: Callable[[], object], device: str) -> int:
-    if device == "cuda":
+@dataclass(frozen=True)
+class Profiled:
+    peak_bytes: int  # peak allocation over the call, relative to before it
+    kernels: str  # the kernels (CUDA) or attention/matmul ops (CPU) that ran, longest first
+
+
+def profiled_call(fn: Callable[[], object], device: str, top: int = 3) -> Profiled:
+    """One call under the profiler: its peak memory and the kernels it ran (one call for both)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
+    with quiet_stderr(), profile(activities=activities, profile_memory=not cuda) as prof:
         out = fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+        del out
+    if cuda:
+        # the caching allocator's peak; the profiler's own buffers are not allocator memory
         peak = torch.cuda.max_memory_allocated() - before
-        del out
-        return int(peak)
-    from torch.profiler import ProfilerActivity, profile
+    else:
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]")
+        running = peak = 0
+        for _, nbytes in events:
+            running += nbytes
+            peak = max(peak, running)
+    return Profiled(int(peak), _kernel_names(prof.events(), cuda, top))
 
-    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-        del out
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return int(peak)
+
+def _kernel_names(events, cuda: bool, top: int) -> str:
+    totals: dict[str, float] = {}
+    for ev in events:
+        if cuda:
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                totals[ev.name] = totals.get(ev.name, 0.0) + ev.device_time
+        elif ev.name.startswith("aten::") and any(
+            key in ev.name for key in ("attention", "flash", "bmm", "mm", "softmax", "flex")
+        ):
+            totals[ev.name] = totals.get(ev.name, 0.0) + ev.self_cpu_time_total
+    if not totals and not cuda:  # compiled CPU code runs outside aten ops
+        totals = {ev.name: ev.self_cpu_time_total for ev in events if not ev.name.startswith("[")}
+    names = sorted(totals, key=totals.get, reverse=True)[:top]
+    return " | ".join(n[:90] for n in names)
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: str) -> int:
+    return profiled_call(fn, device).peak_bytes
+
+
+def kernels_ran(fn: Callable[[], object], device: str, top: int = 3) -> str:
+    return profiled_call(fn, device, top).kernels

@@ -24,6 +24,15 @@ def mode_flops(flops_fwd: float, mode: str) -> float:
     raise ValueError(f"unknown mode {mode!r}; allowed: fwd, bwd, fwd_bwd")
 
 
+def mode_bytes(bytes_by_mode: dict[str, float], mode: str) -> float:
+    """Bytes a mode moves from per-pass counts: fwd_bwd is fwd + bwd."""
+    if mode == "fwd_bwd":
+        return bytes_by_mode["fwd"] + bytes_by_mode["bwd"]
+    if mode not in ("fwd", "bwd"):
+        raise ValueError(f"unknown mode {mode!r}; allowed: fwd, bwd, fwd_bwd")
+    return bytes_by_mode[mode]
+
+
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 

@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from adaattn.bench.compile_cache import warm_compile_cache
 from adaattn.bench.harness import Case, Harness
 from adaattn.bench.provenance import cpu_model, provenance
 from adaattn.bench.results import results_path, write_results
@@ -75,10 +76,19 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
     phash = params_hash(study.param_sections(raw, target, target_name))
     path = results_path(results_root, study.name, target_name)
 
+    workers = getattr(params.bench, target.profile).compile_workers
+    groups = study.compile_groups(cases) if hasattr(study, "compile_groups") else []
+    if workers and groups:
+        console.print(f"compiling {len(groups)} torch.compile groups in {min(workers, len(groups))} worker processes")
+        warm = warm_compile_cache(study, groups, target.device, workers)
+        console.print(f"  done in {warm.seconds:.0f} s" + (f"; {len(warm.failures)} calls failed there (measured "
+                                                           f"again below): {warm.failures[0]}" if warm.failures else ""))
+
     torch.manual_seed(0)
     timer = make_timer(target.device, params.bench)
     console.print(f"[bold]{study.name}[/] on target [bold]{target_name}[/]: measuring machine ceilings")
-    harness = Harness(target.device, timer, measure_ceilings(target.device, timer))
+    harness = Harness(target.device, timer, measure_ceilings(target.device, timer),
+                      host_calls=getattr(study, "host_calls", 0))
     console.print(f"  copy {harness.ceilings.copy_gbps:.0f} GB/s, {harness.ceilings.gemm_dtype} GEMM "
                   f"{harness.ceilings.gemm_tflops:.1f} TFLOP/s")
     total = sum(len(c.providers) for c in cases)
@@ -93,8 +103,11 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
 
         harness.run(study, cases, progress, log=console.print)
         bar.advance(task)
+    if workers and groups:
+        harness.phase_seconds["parallel compile (workers)"] = warm.seconds
+    extra = study.extra_rows(params, target) if hasattr(study, "extra_rows") else []  # measurements outside the harness
     prov = provenance(target.device, target_name, phash)
-    rows = [{"study": study.name, **r, **prov} for r in harness.ceiling_rows() + harness.rows]
+    rows = [{"study": study.name, **r, **prov} for r in harness.ceiling_rows() + harness.rows + extra]
     write_results(path, rows, study.config_columns)
     console.print(f"time by phase: {harness.phase_summary()}")
     ok = sum(1 for r in harness.rows if r["status"] == "ok" and r["metric"] == "time_ms")

@@ -37,7 +37,7 @@ def quantiles(samples: Sequence[float]) -> Quantiles:
 class CudaTimer:
     """CUDA-event timing in the manner of ``triton.testing.do_bench``, with two changes that matter
     for a sweep whose calls range from 50 us to 150 ms: the cost estimate uses 2 calls (do_bench
-    always spends 5), and at least ``MIN_REPEATS`` calls are timed (do_bench times a single call
+    always spends 5) that count toward the warm-up budget, and at least ``MIN_REPEATS`` calls are timed (do_bench times a single call
     when one call exceeds ``rep_ms``, which gives p20 = p50 = p80).
 
     Before every timed call the L2 cache is flushed by zeroing a 256 MB buffer (as do_bench).
@@ -67,7 +67,8 @@ class CudaTimer:
         end.record()
         torch.cuda.synchronize()
         estimate = max(start.elapsed_time(end) / 2, 1e-3)
-        n_warmup = max(1, math.ceil(self.warmup_ms / estimate))
+        # the two estimate calls are warm-up too: a 50 ms call needs no more of it
+        n_warmup = max(0, math.ceil((self.warmup_ms - 2 * estimate) / estimate))
         n_rep = min(self.MAX_REPEATS, max(self.MIN_REPEATS, math.ceil(self.rep_ms / estimate)))
         for _ in range(n_warmup):
             clear()
@@ -103,6 +104,23 @@ class CpuTimer:
             fn()
             samples.append((time.perf_counter() - start) * 1e3)
         return quantiles(samples)
+
+
+def host_time_ms(fn: Callable[[], object], calls: int, grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
+    """Host (CPU) time per call of ``calls`` back-to-back calls, without waiting for the device.
+
+    What a training step pays on the CPU per call (Python, dispatch, launch). Few enough calls that
+    the launch queue never fills, so the device never throttles the host; synchronised after.
+    """
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        for t in grad_to_none or []:
+            t.grad = None
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed * 1e3 / calls
 
 
 def make_timer(device: str, bench) -> CudaTimer | CpuTimer:

@@ -1,1 +1,55 @@
-"""Triton kernels (G4-T1, G4-T2, G4-C1). Each file: reference, kernels, launchers, autograd, functional."""
+"""Fused kernels (G4-T1, G4-T2, G4-C1): RMSNorm, SwiGLU, rotary embedding, QK-RMSNorm + rotary.
+
+Each public function runs the Triton kernels (forward and backward) when they are on and can run
+on the inputs' device, and the plain PyTorch reference otherwise; ``get_kernel_status()`` says
+which and why. Under ``torch.compile`` the kernels are ``torch.library`` custom ops, so a model
+using them compiles with ``fullgraph=True``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from adaattn.kernels.reference import qk_norm_rope_ref, rms_norm_ref, rope_cache, rope_ref, swiglu_ref
+from adaattn.kernels.runtime import ENV_DISABLE, get_kernel_status, set_use_triton_kernels, use_triton
+
+try:  # the kernels need Triton; without it every function below runs its reference
+    from adaattn.kernels.rms_norm import rms_norm_triton
+    from adaattn.kernels.rope import qk_norm_rope_triton, rope_triton
+    from adaattn.kernels.swiglu import swiglu_triton
+except ImportError:  # get_kernel_status() reports the import error
+    rms_norm_triton = swiglu_triton = rope_triton = qk_norm_rope_triton = None
+
+__all__ = [
+    "ENV_DISABLE", "get_kernel_status", "set_use_triton_kernels", "rms_norm", "swiglu", "apply_rope",
+    "qk_norm_rope", "rope_cache", "rms_norm_ref", "swiglu_ref", "rope_ref", "qk_norm_rope_ref",
+]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the last dim; weight (hidden,)."""
+    if use_triton(x, weight):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def swiglu(a: Tensor, b: Tensor) -> Tensor:
+    """silu(a) * b (a: gate, b: up)."""
+    if use_triton(a, b):
+        return swiglu_triton(a, b)
+    return swiglu_ref(a, b)
+
+
+def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotary embedding of q (B, S, Hq, D) and k (B, S, Hkv, D) from one (S, D/2) cos/sin table."""
+    if use_triton(q, k, cos, sin):
+        return rope_triton(q, k, cos, sin)
+    return rope_ref(q, k, cos[: q.shape[1]], sin[: q.shape[1]])
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
+                 eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """Per-head RMSNorm of q and k (weights (D,)), then the rotary embedding, in one kernel."""
+    if use_triton(q, k, q_weight, k_weight, cos, sin):
+        return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
+    return qk_norm_rope_ref(q, k, q_weight, k_weight, cos[: q.shape[1]], sin[: q.shape[1]], eps)

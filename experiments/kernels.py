@@ -1,0 +1,276 @@
+"""Kernels study: regenerates G4-T2 and checks G4-T1's claims ("Triton kernels 1.5-2x faster",
+"shared RoPE cache 24x memory reduction").
+
+Four providers side by side in one run: eager PyTorch (the references in
+``adaattn.kernels.reference``), the same code under ``torch.compile``, Liger-Kernel (a peer; no
+fused QK-norm + RoPE there) and ours. Memory-bound work, so every result is also GB/s from a
+written byte count (below) and a fraction of the copy bandwidth measured in the same run; the
+host time of a call is reported beside the kernel time.
+
+Byte counts (per token; N hidden, e element size; rope kernels: Hq + Hkv heads of D):
+  rms_norm  fwd read x + write y = 2Ne;          bwd read x, dy + write dx = 3Ne
+  swiglu    fwd read a, b + write c = 3Ne;       bwd read a, b, dc + write da, db = 5Ne
+  rope      fwd/bwd read q, k + write = 2(Hq+Hkv)De, + cos, sin rows (2 x D/2 fp32)
+  qk_norm_rope fwd as rope + rstd 4(Hq+Hkv);     bwd read dq, dk, q, k + write = 3(Hq+Hkv)De + cos/sin + rstd
+Weights ((N,) or (D,)) and their fp32 partial sums are below 1% at every size and not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from adaattn.attention.providers import DTYPES
+from adaattn.bench.harness import Case, Workload
+from adaattn.bench.runner import target_sections
+from adaattn.config import Params, Target
+from adaattn.kernels import reference as R
+from adaattn.report.common import Section
+
+SECTION_IDS = ("G4-T2", "G4-T1")
+EPS = 1e-6
+
+
+def _liger_check() -> str | None:
+    try:
+        import liger_kernel.ops.rms_norm  # noqa: F401
+        import liger_kernel.ops.rope  # noqa: F401
+        import liger_kernel.ops.swiglu  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - the import error is the reason
+        return f"liger_kernel not importable: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return None
+
+
+@functools.cache
+def _compiled(kernel: str):
+    cfg = torch._dynamo.config
+    for knob in ("recompile_limit", "cache_size_limit"):  # one compile per hidden size and grad mode
+        if hasattr(cfg, knob):
+            setattr(cfg, knob, 512)
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True
+    return torch.compile(REFS[kernel], fullgraph=True)
+
+
+REFS = {"rms_norm": R.rms_norm_ref, "swiglu": R.swiglu_ref, "rope": R.rope_ref, "qk_norm_rope": R.qk_norm_rope_ref}
+
+
+class Kernels:
+    name = "kernels"
+    table_ids = ("G4-T2", "G4-T1")
+    config_columns = ["op", "batch", "seq_len", "tokens", "hidden", "heads", "kv_heads", "head_dim", "dtype"]
+    host_calls = 20  # host time per call: 20 back-to-back calls, no sync
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self._inputs: tuple[str, dict[str, Tensor]] | None = None
+
+    def bind(self, device: str) -> Kernels:
+        return Kernels(device)
+
+    def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
+        return target_sections(raw, target_name, SECTION_IDS)
+
+    # ------------------------------------------------------------------ cases
+
+    def cases(self, params: Params, target: Target) -> list[Case]:
+        t2 = getattr(params.g4_t2, target.profile)
+        t1 = getattr(params.g4_t1, target.profile)
+        out = [self._case("G4-T2", k, t2.batch, t2.seq_len, t2.dim, dtype, t2) for k in t2.kernels for dtype in t2.dtypes]
+        for kernel, sizes in t1.hidden.items():
+            for hidden in sizes:
+                for tokens in t1.tokens:
+                    for dtype in t1.dtypes:
+                        out.append(self._case("G4-T1", kernel, 1, tokens, hidden, dtype, t1))
+        return out
+
+    @staticmethod
+    def _case(table_id: str, kernel: str, batch: int, seq_len: int, hidden: int, dtype: str, section) -> Case:
+        rope = kernel in ("rope", "qk_norm_rope")
+        if rope and hidden % section.head_dim:
+            raise ValueError(f"{table_id}: hidden {hidden} is not a multiple of head_dim {section.head_dim}")
+        heads = hidden // section.head_dim if rope else 0
+        kv_heads = max(1, heads // section.gqa) if rope else 0
+        config = {"op": kernel, "batch": batch, "seq_len": seq_len, "tokens": batch * seq_len, "hidden": hidden,
+                  "heads": heads, "kv_heads": kv_heads, "head_dim": section.head_dim if rope else 0, "dtype": dtype}
+        return Case(case_id=f"{table_id}/{kernel}-t{batch * seq_len}-n{hidden}-{dtype}", table_id=table_id, config=config,
+                    providers=tuple(p for p in section.providers if not (p == "liger" and kernel == "qk_norm_rope")),
+                    modes=tuple(section.modes))
+
+    # ------------------------------------------------------------------ inputs and workloads
+
+    def inputs(self, case: Case) -> dict[str, Tensor]:
+        if self._inputs is None or self._inputs[0] != case.case_id:
+            self._inputs = None
+            c = case.config
+            dt, dev = DTYPES[c["dtype"]], self.device
+            B, S, N = c["batch"], c["seq_len"], c["hidden"]
+            if c["op"] == "rms_norm":
+                x = {"x": torch.randn(B, S, N, device=dev, dtype=dt),
+                     "w": (1 + 0.1 * torch.randn(N, device=dev)).to(dt)}
+            elif c["op"] == "swiglu":
+                x = {"a": torch.randn(B, S, N, device=dev, dtype=dt), "b": torch.randn(B, S, N, device=dev, dtype=dt)}
+            else:
+                D = c["head_dim"]
+                x = {"q": torch.randn(B, S, c["heads"], D, device=dev, dtype=dt),
+                     "k": torch.randn(B, S, c["kv_heads"], D, device=dev, dtype=dt)}
+                x["cos"], x["sin"] = R.rope_cache(S, D, device=dev)
+                if c["op"] == "qk_norm_rope":
+                    x["wq"] = (1 + 0.1 * torch.randn(D, device=dev)).to(dt)
+                    x["wk"] = (1 + 0.1 * torch.randn(D, device=dev)).to(dt)
+            self._inputs = (case.case_id, x)
+        return self._inputs[1]
+
+    @staticmethod
+    def bytes_by_mode(case: Case) -> dict[str, float]:
+        c = case.config
+        e = torch.finfo(DTYPES[c["dtype"]]).bits // 8
+        T, N = c["tokens"], c["hidden"]
+        if c["op"] == "rms_norm":
+            return {"fwd": 2 * T * N * e, "bwd": 3 * T * N * e}
+        if c["op"] == "swiglu":
+            return {"fwd": 3 * T * N * e, "bwd": 5 * T * N * e}
+        heads, D = c["heads"] + c["kv_heads"], c["head_dim"]
+        table = T * D * 4  # cos and sin rows: 2 x D/2 fp32
+        if c["op"] == "rope":
+            return {"fwd": 2 * T * heads * D * e + table, "bwd": 2 * T * heads * D * e + table}
+        return {"fwd": 2 * T * heads * D * e + table + 4 * T * heads, "bwd": 3 * T * heads * D * e + table + 4 * T * heads}
+
+    def _args(self, case: Case, requires_grad: bool) -> dict[str, Tensor]:
+        """A private copy per workload (Liger's RoPE rewrites its inputs); leaves require grad."""
+        grad_keys = {"x", "w", "a", "b", "q", "k", "wq", "wk"}
+        return {k: v.detach().clone().requires_grad_(requires_grad and k in grad_keys)
+                for k, v in self.inputs(case).items()}
+
+    def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
+        kernel = case.config["op"]
+        x = self._args(case, requires_grad)
+        fn = self._fn(kernel, provider, x)
+        if provider == "compile":  # one compile per (hidden size, grad mode); the token count stays symbolic
+            for name, t in x.items():
+                if t.dim() >= 3:
+                    torch._dynamo.mark_dynamic(t, 1)  # (B, S, ...)
+                elif name in ("cos", "sin"):
+                    torch._dynamo.mark_dynamic(t, 0)  # (S, D/2)
+        leaves = [t for t in x.values() if t.requires_grad]
+        return Workload(fwd=fn, inputs=leaves, bytes_by_mode=self.bytes_by_mode(case))
+
+    def _fn(self, kernel: str, provider: str, x: dict[str, Tensor]):
+        if provider in ("eager", "compile"):
+            f = REFS[kernel] if provider == "eager" else _compiled(kernel)
+        elif provider == "ours":
+            from adaattn.kernels.rms_norm import rms_norm_triton
+            from adaattn.kernels.rope import qk_norm_rope_triton, rope_triton
+            from adaattn.kernels.swiglu import swiglu_triton
+
+            f = {"rms_norm": rms_norm_triton, "swiglu": swiglu_triton, "rope": rope_triton,
+                 "qk_norm_rope": qk_norm_rope_triton}[kernel]
+        else:
+            return self._liger(kernel, x)
+        if kernel == "rms_norm":
+            return lambda: f(x["x"], x["w"], EPS)
+        if kernel == "swiglu":
+            return lambda: f(x["a"], x["b"])
+        if kernel == "rope":
+            return lambda: f(x["q"], x["k"], x["cos"], x["sin"])
+        return lambda: f(x["q"], x["k"], x["wq"], x["wk"], x["cos"], x["sin"], EPS)
+
+    @staticmethod
+    def _liger(kernel: str, x: dict[str, Tensor]):
+        if kernel == "rms_norm":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            # casting "llama" (fp32 statistics, as our reference); in_place=False keeps dy intact
+            return lambda: LigerRMSNormFunction.apply(x["x"], x["w"], EPS, 0.0, "llama", False)
+        if kernel == "swiglu":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            return lambda: LigerSiLUMulFunction.apply(x["a"], x["b"])
+        from liger_kernel.ops.rope import LigerRopeFunction
+
+        # Liger takes (B, H, S, D) views of (B, S, H, D) storage and a full-width (1, S, D) table,
+        # built here, outside the timed call; it rotates q and k in place
+        cos = torch.cat([x["cos"], x["cos"]], -1)[None]
+        sin = torch.cat([x["sin"], x["sin"]], -1)[None]
+
+        def fn():
+            q, k = LigerRopeFunction.apply(x["q"].transpose(1, 2), x["k"].transpose(1, 2), cos, sin)
+            return q.transpose(1, 2), k.transpose(1, 2)
+
+        return fn
+
+    def reference(self, case: Case) -> Any:
+        x = {k: v.double() for k, v in self.inputs(case).items()}
+        kernel = case.config["op"]
+        if kernel == "rms_norm":
+            return R.rms_norm_ref(x["x"], x["w"], EPS)
+        if kernel == "swiglu":
+            return R.swiglu_ref(x["a"], x["b"])
+        if kernel == "rope":
+            return R.rope_ref(x["q"], x["k"], x["cos"], x["sin"])
+        return R.qk_norm_rope_ref(x["q"], x["k"], x["wq"], x["wk"], x["cos"], x["sin"], EPS)
+
+    def unavailable(self, provider: str, device: str) -> str | None:
+        if provider == "ours" and device != "cuda":
+            return "our Triton kernels run on CUDA; on a CPU only in Triton's interpreter, which checks correctness, never speed"
+        if provider == "liger":
+            if device != "cuda":
+                return "Liger-Kernel runs on CUDA only"
+            return _liger_check()
+        return None
+
+    def has_backward(self, provider: str) -> bool:
+        return True
+
+    def compile_groups(self, cases: list[Case]) -> list[list[tuple[Case, str, str]]]:
+        """First calls of the torch.compile provider, one list per compile: (kernel, dtype, hidden, grad)."""
+        groups: dict[tuple, list[tuple[Case, str, str]]] = {}
+        for case in cases:
+            if "compile" not in case.providers:
+                continue
+            for mode in case.modes:
+                c = case.config
+                key = (c["op"], c["dtype"], c["hidden"], mode == "fwd")
+                groups.setdefault(key, []).append((case, "compile", mode))
+        return list(groups.values())
+
+    # ------------------------------------------------------------------ G4-T1: shared RoPE cache
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        """Bytes of rotary caches for the guide's layers: one RotaryEmbedding per layer vs one shared."""
+        from torch import nn
+
+        from adaattn.layers import RotaryEmbedding
+
+        rc = getattr(params.g4_t1, target.profile).rope_cache
+
+        def unique_bytes(model: nn.Module) -> int:
+            seen = {}
+            for buf in model.buffers():
+                seen[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
+            return sum(seen.values())
+
+        per_layer = nn.ModuleList(RotaryEmbedding(rc.head_dim, rc.max_seq_len, device=self.device)
+                                  for _ in range(rc.layers))
+        shared_one = RotaryEmbedding(rc.head_dim, rc.max_seq_len, device=self.device)
+        shared = nn.ModuleList(nn.ModuleDict({"rope": shared_one}) for _ in range(rc.layers))
+        base = {"table_id": "G4-T1", "case_id": f"G4-T1/rope_cache-l{rc.layers}-d{rc.head_dim}-s{rc.max_seq_len}",
+                "mode": "", "unit": "bytes", "status": "ok", "reason": "", "kernel": "", "p20": None,
+                "p80": None, "op": "rope_cache", "head_dim": rc.head_dim, "seq_len": rc.max_seq_len, "heads": rc.layers}
+        return [{**base, "provider": "per_layer", "metric": "cache_bytes", "value": unique_bytes(per_layer)},
+                {**base, "provider": "shared", "metric": "cache_bytes", "value": unique_bytes(shared)}]
+
+    # ------------------------------------------------------------------ report
+
+    def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
+        from adaattn_experiments.kernels_report import render
+
+        return render(df, out_dir)
+
+
+STUDY = Kernels()

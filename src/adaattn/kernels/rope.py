@@ -1,0 +1,342 @@
+"""Rotary embedding of q and k in one launch, and fused QK-RMSNorm + rotary embedding (G4-T2, G4-C1).
+
+q: (B, S, Hq, D), k: (B, S, Hkv, D) (GQA: Hq a multiple of Hkv, or any counts), any strides over
+B, S and H with the head dim contiguous, so a (B, H, S, D) tensor passes as ``t.transpose(1, 2)``
+and a slice of a fused qkv projection passes without a copy. cos, sin: (S, D/2) from one shared
+cache (``reference.rope_cache``), rotate-half convention. One program per token rotates every q
+and k head of it, reading its cos/sin row once.
+
+QK-norm (Qwen3, OLMo2): RMSNorm over the head dim of each head with weights (D,), then the
+rotation. Its backward is a persistent grid whose programs accumulate the two weight gradients
+in fp32 registers; the partials are summed in fp32 and cast once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from adaattn.kernels.runtime import bench_for_autotune, check_float, last_dim_contiguous, programs_for, tuned
+
+_CONFIGS = tuned([triton.Config({}, num_warps=w) for w in (1, 2, 4, 8)])
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, b, s, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, cos, sin, n_heads, half,
+                  BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D2)
+    mask = (h < n_heads)[:, None] & (d < half)[None, :]
+    src = x_ptr + b * x_sb + s * x_ss + h[:, None] * x_sh + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    dst = o_ptr + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half, (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], do_bench=bench_for_autotune)
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+                 q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh, cs_rs,
+                 seq_len, n_qh, n_kh, half,
+                 BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr, BACKWARD: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // seq_len
+    s = pid % seq_len
+    d = tl.arange(0, BLOCK_D2)
+    cos = tl.load(cos_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    if BACKWARD:  # the rotation is orthogonal: its transpose is the rotation by -angle
+        sin = -sin
+    _rotate_heads(q_ptr, qo_ptr, b, s, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, cos, sin, n_qh, half, BLOCK_QH, BLOCK_D2)
+    _rotate_heads(k_ptr, ko_ptr, b, s, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, cos, sin, n_kh, half, BLOCK_KH, BLOCK_D2)
+
+
+@triton.jit
+def _norm_rotate_heads(x_ptr, o_ptr, w_ptr, rstd_ptr, b, s, token, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, cos, sin,
+                       n_heads, half, eps, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D2)
+    hmask = h < n_heads
+    mask = hmask[:, None] & (d < half)[None, :]
+    src = x_ptr + b * x_sb + s * x_ss + h[:, None] * x_sh + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)
+    tl.store(rstd_ptr + token * n_heads + h, rstd, mask=hmask)
+    w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    n1 = x1 * rstd[:, None] * w1
+    n2 = x2 * rstd[:, None] * w2
+    dst = o_ptr + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
+    tl.store(dst, (n1 * cos - n2 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half, (n2 * cos + n1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], do_bench=bench_for_autotune)
+@triton.jit
+def _qk_norm_rope_fwd_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, wq_ptr, wk_ptr, rq_ptr, rk_ptr, cos_ptr, sin_ptr,
+                             q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh, cs_rs,
+                             seq_len, n_qh, n_kh, half, eps,
+                             BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // seq_len
+    s = pid % seq_len
+    d = tl.arange(0, BLOCK_D2)
+    cos = tl.load(cos_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    _norm_rotate_heads(q_ptr, qo_ptr, wq_ptr, rq_ptr, b, s, pid, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, cos, sin,
+                       n_qh, half, eps, BLOCK_QH, BLOCK_D2)
+    _norm_rotate_heads(k_ptr, ko_ptr, wk_ptr, rk_ptr, b, s, pid, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, cos, sin,
+                       n_kh, half, eps, BLOCK_KH, BLOCK_D2)
+
+
+@triton.jit
+def _norm_rotate_heads_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, b, s, token,
+                           dy_sb, dy_ss, dy_sh, x_sb, x_ss, x_sh, dx_sb, dx_ss, dx_sh, cos, sin,
+                           n_heads, half, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """dx for one token's heads; returns this token's contribution to dw (two halves)."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D2)
+    hmask = h < n_heads
+    mask = hmask[:, None] & (d < half)[None, :]
+    g = dy_ptr + b * dy_sb + s * dy_ss + h[:, None] * dy_sh + d[None, :]
+    dy1 = tl.load(g, mask=mask, other=0.0).to(tl.float32)
+    dy2 = tl.load(g + half, mask=mask, other=0.0).to(tl.float32)
+    # undo the rotation: gradient with respect to the normalised head
+    dn1 = dy1 * cos + dy2 * sin
+    dn2 = dy2 * cos - dy1 * sin
+    src = x_ptr + b * x_sb + s * x_ss + h[:, None] * x_sh + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + token * n_heads + h, mask=hmask, other=0.0)[:, None]
+    w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    xh1 = x1 * rstd
+    xh2 = x2 * rstd
+    wdy1 = w1 * dn1
+    wdy2 = w2 * dn2
+    c = ((tl.sum(wdy1 * xh1, axis=1) + tl.sum(wdy2 * xh2, axis=1)) / (2 * half))[:, None]
+    dst = dx_ptr + b * dx_sb + s * dx_ss + h[:, None] * dx_sh + d[None, :]
+    tl.store(dst, ((wdy1 - xh1 * c) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half, ((wdy2 - xh2 * c) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
+    return tl.sum(dn1 * xh1, axis=0), tl.sum(dn2 * xh2, axis=0)
+
+
+@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], do_bench=bench_for_autotune)
+@triton.jit
+def _qk_norm_rope_bwd_kernel(dq_ptr, dk_ptr, q_ptr, k_ptr, wq_ptr, wk_ptr, rq_ptr, rk_ptr, cos_ptr, sin_ptr,
+                             dxq_ptr, dxk_ptr, dwq_ptr, dwk_ptr,
+                             dq_sb, dq_ss, dq_sh, dk_sb, dk_ss, dk_sh, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh,
+                             dxq_sb, dxq_ss, dxq_sh, dxk_sb, dxk_ss, dxk_sh, cs_rs,
+                             n_tokens, seq_len, n_qh, n_kh, half,
+                             BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    per_program = tl.cdiv(n_tokens, tl.num_programs(0))
+    d = tl.arange(0, BLOCK_D2)
+    dwq1 = tl.zeros((BLOCK_D2,), dtype=tl.float32)
+    dwq2 = tl.zeros((BLOCK_D2,), dtype=tl.float32)
+    dwk1 = tl.zeros((BLOCK_D2,), dtype=tl.float32)
+    dwk2 = tl.zeros((BLOCK_D2,), dtype=tl.float32)
+    for i in range(0, per_program):
+        token = pid * per_program + i
+        if token < n_tokens:
+            b = token // seq_len
+            s = token % seq_len
+            cos = tl.load(cos_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+            sin = tl.load(sin_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+            a1, a2 = _norm_rotate_heads_bwd(dq_ptr, q_ptr, wq_ptr, rq_ptr, dxq_ptr, b, s, token,
+                                            dq_sb, dq_ss, dq_sh, q_sb, q_ss, q_sh, dxq_sb, dxq_ss, dxq_sh,
+                                            cos, sin, n_qh, half, BLOCK_QH, BLOCK_D2)
+            dwq1 += a1
+            dwq2 += a2
+            a1, a2 = _norm_rotate_heads_bwd(dk_ptr, k_ptr, wk_ptr, rk_ptr, dxk_ptr, b, s, token,
+                                            dk_sb, dk_ss, dk_sh, k_sb, k_ss, k_sh, dxk_sb, dxk_ss, dxk_sh,
+                                            cos, sin, n_kh, half, BLOCK_KH, BLOCK_D2)
+            dwk1 += a1
+            dwk2 += a2
+    row = pid * 2 * half
+    tl.store(dwq_ptr + row + d, dwq1, mask=d < half)
+    tl.store(dwq_ptr + row + half + d, dwq2, mask=d < half)
+    tl.store(dwk_ptr + row + d, dwk1, mask=d < half)
+    tl.store(dwk_ptr + row + half + d, dwk2, mask=d < half)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _strides(t: Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_float("q", q)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be (B, S, H, D); got {tuple(q.shape)} and {tuple(k.shape)}")
+    (bq, sq, _, dq), (bk, sk, _, dk) = q.shape, k.shape
+    if (bq, sq, dq) != (bk, sk, dk) or q.dtype != k.dtype or q.device != k.device:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must share B, S, D, dtype, device")
+    if dq % 2:
+        raise ValueError(f"rotary embedding needs an even head dim; got {dq}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != dq // 2 or cos.shape[0] < sq:
+        raise ValueError(f"cos and sin must be (>= S, D/2) = (>= {sq}, {dq // 2}); got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if cos.device != q.device:
+        raise ValueError(f"cos on {cos.device}, q on {q.device}")
+    cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)
+    if cos.stride(0) != sin.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return last_dim_contiguous(q), last_dim_contiguous(k), cos, sin
+
+
+def _blocks(q: Tensor, k: Tensor) -> dict[str, int]:
+    return dict(BLOCK_QH=triton.next_power_of_2(q.shape[2]), BLOCK_KH=triton.next_power_of_2(k.shape[2]),
+                BLOCK_D2=triton.next_power_of_2(q.shape[3] // 2))
+
+
+def rope_apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool = False) -> tuple[Tensor, Tensor]:
+    """Rotated copies of q and k (the inverse rotation when ``backward``), in q's and k's layouts."""
+    q, k, cos, sin = _check(q, k, cos, sin)
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    B, S, Hq, D = q.shape
+    if q.numel() and k.numel():
+        _rope_kernel[(B * S,)](q, k, qo, ko, cos, sin, *_strides(q), *_strides(k), *_strides(qo), *_strides(ko),
+                               cos.stride(0), S, Hq, k.shape[2], D // 2, **_blocks(q, k), BACKWARD=backward)
+    return qo, ko
+
+
+def qk_norm_rope_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q_out, k_out, rstd_q (B*S*Hq,) fp32, rstd_k (B*S*Hkv,) fp32)."""
+    q, k, cos, sin = _check(q, k, cos, sin)
+    B, S, Hq, D = q.shape
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (D,) or w.device != q.device:
+            raise ValueError(f"{name} must be ({D},) on {q.device}; got {tuple(w.shape)} on {w.device}")
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    rq = torch.empty(B * S * Hq, dtype=torch.float32, device=q.device)
+    rk = torch.empty(B * S * k.shape[2], dtype=torch.float32, device=q.device)
+    if q.numel() and k.numel():
+        _qk_norm_rope_fwd_kernel[(B * S,)](
+            q, k, qo, ko, q_weight, k_weight, rq, rk, cos, sin, *_strides(q), *_strides(k), *_strides(qo),
+            *_strides(ko), cos.stride(0), S, Hq, k.shape[2], D // 2, eps, **_blocks(q, k))
+    return qo, ko, rq, rk
+
+
+def qk_norm_rope_bwd(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor,
+                     rq: Tensor, rk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    q, k, cos, sin = _check(q, k, cos, sin)
+    dq, dk = last_dim_contiguous(dq), last_dim_contiguous(dk)
+    B, S, Hq, D = q.shape
+    dxq, dxk = torch.empty_like(q), torch.empty_like(k)
+    programs = programs_for(B * S, q.device)
+    dwq = torch.zeros((programs, D), dtype=torch.float32, device=q.device)
+    dwk = torch.zeros((programs, D), dtype=torch.float32, device=q.device)
+    if q.numel() and k.numel():
+        _qk_norm_rope_bwd_kernel[(programs,)](
+            dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin, dxq, dxk, dwq, dwk,
+            *_strides(dq), *_strides(dk), *_strides(q), *_strides(k), *_strides(dxq), *_strides(dxk),
+            cos.stride(0), B * S, S, Hq, k.shape[2], D // 2, **_blocks(q, k))
+    return dxq, dxk, dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
+
+
+# --------------------------------------------------------------------------- autograd: eager and compiled
+
+
+class RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(cos, sin)
+        return rope_apply(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor):
+        cos, sin = ctx.saved_tensors
+        return *rope_apply(dq, dk, cos, sin, backward=True), None, None
+
+
+class QKNormRopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps):
+        qo, ko, rq, rk = qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps)
+        ctx.save_for_backward(q, k, q_weight, k_weight, rq, rk, cos, sin)
+        return qo, ko
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        q, k, q_weight, k_weight, rq, rk, cos, sin = ctx.saved_tensors
+        return *qk_norm_rope_bwd(dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin), None, None, None
+
+
+@torch.library.custom_op("adaattn::rope", mutates_args=())
+def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
+    return rope_apply(q, k, cos, sin, backward)
+
+
+@rope_op.register_fake
+def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _rope_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[2], inputs[3])
+
+
+def _rope_backward(ctx, dq: Tensor, dk: Tensor):
+    cos, sin = ctx.saved_tensors
+    return *rope_op(dq, dk, cos, sin, True), None, None, None
+
+
+rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+@torch.library.custom_op("adaattn::qk_norm_rope_fwd", mutates_args=())
+def qk_norm_rope_fwd_op(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
+                        eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps)
+
+
+@qk_norm_rope_fwd_op.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, eps):
+    B, S, Hq, _ = q.shape
+    return (torch.empty_like(q), torch.empty_like(k), q.new_empty(B * S * Hq, dtype=torch.float32),
+            q.new_empty(B * S * k.shape[2], dtype=torch.float32))
+
+
+@torch.library.custom_op("adaattn::qk_norm_rope_bwd", mutates_args=())
+def qk_norm_rope_bwd_op(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor,
+                        rq: Tensor, rk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return qk_norm_rope_bwd(dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin)
+
+
+@qk_norm_rope_bwd_op.register_fake
+def _(dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight), torch.empty_like(k_weight)
+
+
+def _qk_setup(ctx, inputs, output) -> None:
+    q, k, q_weight, k_weight, cos, sin, _ = inputs
+    ctx.save_for_backward(q, k, q_weight, k_weight, output[2], output[3], cos, sin)
+
+
+def _qk_backward(ctx, dq, dk, _drq, _drk):
+    q, k, q_weight, k_weight, rq, rk, cos, sin = ctx.saved_tensors
+    return *qk_norm_rope_bwd_op(dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin), None, None, None
+
+
+qk_norm_rope_fwd_op.register_autograd(_qk_backward, setup_context=_qk_setup)
+
+
+def rope_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    if torch.compiler.is_compiling():
+        return rope_op(q, k, cos, sin, False)
+    return RopeFunction.apply(q, k, cos, sin)
+
+
+def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    if torch.compiler.is_compiling():
+        return qk_norm_rope_fwd_op(q, k, q_weight, k_weight, cos, sin, eps)[:2]
+    return QKNormRopeFunction.apply(q, k, q_weight, k_weight, cos, sin, eps)

@@ -1,0 +1,141 @@
+"""SwiGLU: c = silu(a) * b, forward and backward in Triton (G4-T2, G4-C1).
+
+a and b may be strided rows, e.g. the two halves of one fused gate/up projection (row stride 2N):
+nothing is copied for them. Tiles of ROWS x BLOCK_N; math in fp32. Backward:
+da = dc * b * s * (1 + a * (1 - s)), db = dc * a * s, with s = sigmoid(a).
+Autotuned on the hidden size (and dtype), never on the number of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from adaattn.kernels.runtime import bench_for_autotune, check_float, rows, tuned
+
+
+def _prune(configs, named_args, **kwargs):
+    block = triton.next_power_of_2(named_args["n_cols"])
+    keep = [c for c in configs if c.kwargs["BLOCK_N"] <= max(block, 256)]
+    return keep or configs[:1]
+
+
+_CONFIGS = tuned([triton.Config({"ROWS": r, "BLOCK_N": n}, num_warps=w) for r, n, w in
+                  [(1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 256, 4), (4, 512, 4),
+                   (4, 1024, 8), (8, 512, 8)]])
+
+
+@triton.autotune(configs=_CONFIGS, key=["n_cols"], prune_configs_by={"early_config_prune": _prune},
+                 do_bench=bench_for_autotune)
+@triton.jit
+def _swiglu_fwd_kernel(a_ptr, b_ptr, c_ptr, a_rs, b_rs, c_rs, n_rows, n_cols,
+                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (r < n_rows)[:, None] & (cols < n_cols)[None, :]
+    a = tl.load(a_ptr + r[:, None] * a_rs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + r[:, None] * b_rs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    c = a * tl.sigmoid(a) * b
+    tl.store(c_ptr + r[:, None] * c_rs + cols[None, :], c.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_CONFIGS, key=["n_cols"], prune_configs_by={"early_config_prune": _prune},
+                 do_bench=bench_for_autotune)
+@triton.jit
+def _swiglu_bwd_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, dc_rs, a_rs, b_rs, da_rs, db_rs, n_rows, n_cols,
+                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (r < n_rows)[:, None] & (cols < n_cols)[None, :]
+    dc = tl.load(dc_ptr + r[:, None] * dc_rs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + r[:, None] * a_rs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + r[:, None] * b_rs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(a)
+    da = dc * b * s * (1.0 + a * (1.0 - s))
+    db = dc * a * s
+    tl.store(da_ptr + r[:, None] * da_rs + cols[None, :], da.to(da_ptr.dtype.element_ty), mask=mask)
+    tl.store(db_ptr + r[:, None] * db_rs + cols[None, :], db.to(db_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(n_rows: int, n_cols: int):
+    return lambda meta: (triton.cdiv(n_rows, meta["ROWS"]), triton.cdiv(n_cols, meta["BLOCK_N"]))
+
+
+def _check(a: Tensor, b: Tensor) -> None:
+    check_float("a", a)
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(f"swiglu needs a and b of one shape, dtype and device; got {tuple(a.shape)} {a.dtype} "
+                         f"{a.device} and {tuple(b.shape)} {b.dtype} {b.device}")
+
+
+def swiglu_fwd(a: Tensor, b: Tensor) -> Tensor:
+    _check(a, b)
+    a2, b2 = rows(a), rows(b)
+    n_rows, n_cols = a2.shape
+    c = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
+    if c.numel():
+        _swiglu_fwd_kernel[_grid(n_rows, n_cols)](a2, b2, c, a2.stride(0), b2.stride(0), c.stride(0), n_rows, n_cols)
+    return c.view(a.shape)
+
+
+def swiglu_bwd(dc: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    a2, b2, dc2 = rows(a), rows(b), rows(dc)
+    n_rows, n_cols = a2.shape
+    da = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
+    db = torch.empty_like(da)
+    if da.numel():
+        _swiglu_bwd_kernel[_grid(n_rows, n_cols)](dc2, a2, b2, da, db, dc2.stride(0), a2.stride(0), b2.stride(0),
+                                                  da.stride(0), db.stride(0), n_rows, n_cols)
+    return da.view(a.shape), db.view(a.shape)
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return swiglu_fwd(a, b)
+
+    @staticmethod
+    def backward(ctx, dc: Tensor):
+        a, b = ctx.saved_tensors
+        return swiglu_bwd(dc, a, b)
+
+
+@torch.library.custom_op("adaattn::swiglu_fwd", mutates_args=())
+def swiglu_fwd_op(a: Tensor, b: Tensor) -> Tensor:
+    return swiglu_fwd(a, b)
+
+
+@swiglu_fwd_op.register_fake
+def _(a: Tensor, b: Tensor) -> Tensor:
+    return a.new_empty(a.shape)
+
+
+@torch.library.custom_op("adaattn::swiglu_bwd", mutates_args=())
+def swiglu_bwd_op(dc: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    return swiglu_bwd(dc, a, b)
+
+
+@swiglu_bwd_op.register_fake
+def _(dc: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    return a.new_empty(a.shape), a.new_empty(a.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dc: Tensor):
+    a, b = ctx.saved_tensors
+    return swiglu_bwd_op(dc, a, b)
+
+
+swiglu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def swiglu_triton(a: Tensor, b: Tensor) -> Tensor:
+    if torch.compiler.is_compiling():
+        return swiglu_fwd_op(a, b)
+    return SwiGLUFunction.apply(a, b)

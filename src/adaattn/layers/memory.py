@@ -1,0 +1,78 @@
+"""Gradient checkpointing switch for models, and a measured memory footprint of a training step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+class GradientCheckpointMixin:
+    """For an nn.Module whose forward runs its blocks through ``self.run_blocks(blocks, x)``.
+
+    With checkpointing on (and in training mode), each block's activations are recomputed in the
+    backward instead of kept: less activation memory, one more forward per block.
+    """
+
+    _gradient_checkpointing: bool = False
+
+    def enable_gradient_checkpointing(self) -> None:
+        self._gradient_checkpointing = True
+
+    def disable_gradient_checkpointing(self) -> None:
+        self._gradient_checkpointing = False
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self._gradient_checkpointing
+
+    def run_blocks(self, blocks: Iterable[nn.Module], x: Tensor, *args) -> Tensor:
+        active = self._gradient_checkpointing and getattr(self, "training", False) and torch.is_grad_enabled()
+        for block in blocks:
+            x = checkpoint(block, x, *args, use_reentrant=False) if active else block(x, *args)
+        return x
+
+
+def _default_input(model: nn.Module, batch_size: int, seq_len: int, device) -> Tensor:
+    if hasattr(model, "vocab_size"):
+        return torch.randint(0, model.vocab_size, (batch_size, seq_len), device=device)
+    for attr in ("dim", "hidden_size", "d_model"):
+        if hasattr(model, attr):
+            dtype = next(model.parameters()).dtype
+            return torch.randn(batch_size, seq_len, getattr(model, attr), device=device, dtype=dtype)
+    raise ValueError("compute_memory_footprint: the model has none of vocab_size, dim, hidden_size, d_model; "
+                     "pass make_input=lambda batch_size, seq_len: <input tensor>")
+
+
+def compute_memory_footprint(model: nn.Module, batch_size: int, seq_len: int,
+                             make_input: Callable[[int, int], Tensor] | None = None) -> dict[str, int]:
+    """Bytes of a training step: parameters, gradients, AdamW state (2 fp32 per parameter), and the
+    activations, measured as the peak allocation of one forward + backward beyond what was held
+    before it (CUDA allocator on a GPU, the profiler's allocation events on a CPU)."""
+    from adaattn.bench.memory import peak_memory_bytes
+
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1; got {batch_size}, {seq_len}")
+    params = list(model.parameters())
+    device = params[0].device
+    x = make_input(batch_size, seq_len) if make_input else _default_input(model, batch_size, seq_len, device)
+
+    def step():
+        out = model(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().mean().backward()
+
+    for p in params:
+        p.grad = None
+    activations = peak_memory_bytes(step, device.type)
+    for p in params:
+        p.grad = None
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    optimizer_bytes = sum(2 * p.numel() * 4 for p in params if p.requires_grad)
+    # the step's peak includes the gradients it allocates; activations are what is left
+    activation_bytes = max(0, activations - grad_bytes)
+    return {"parameters": param_bytes, "gradients": grad_bytes, "optimizer": optimizer_bytes,
+            "activations": activation_bytes, "total": param_bytes + grad_bytes + optimizer_bytes + activation_bytes}

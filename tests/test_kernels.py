@@ -1,0 +1,222 @@
+"""Triton kernels against their fp32 references: forward, backward, odd and strided shapes, GQA,
+torch.compile(fullgraph=True), the on/off switches.
+
+On a CPU machine these run in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
+"""
+
+import pytest
+import torch
+
+from adaattn import kernels as K
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# (atol, rtol) for outputs and input gradients vs the fp32 reference, by dtype
+TOL = {"fp32": (1e-5, 1e-5), "fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}
+
+
+def _randn(*shape, dtype=torch.float32, strided=False):
+    if strided:  # a slice of a wider buffer: larger strides, last dim contiguous
+        return torch.randn(*shape[:-1], shape[-1] + 37, device=DEVICE, dtype=dtype)[..., : shape[-1]]
+    return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+
+def _run(fn, inputs, grads_out=None, seed=1):
+    """Outputs and input gradients of fn(*inputs) for output gradients drawn from ``seed``."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    if grads_out is None:
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        grads_out = [torch.randn(o.shape, generator=g, device=DEVICE, dtype=o.dtype) for o in outs]
+    torch.autograd.backward(outs, grads_out)
+    return outs, [t.grad for t in leaves], grads_out
+
+
+def _compare(fn, ref, inputs, dtype, n_weights=0, rows=1):
+    """fn in ``dtype`` vs ref on the same values in fp32; the last n_weights inputs are weights
+    (gradients summed over ``rows``: compared relative to their scale)."""
+    outs, grads, g_out = _run(fn, inputs)
+    ref_outs, ref_grads, _ = _run(ref, [t.float() for t in inputs], [g.float() for g in g_out])
+    atol, rtol = TOL[dtype]
+    for o, r in zip(outs, ref_outs, strict=True):
+        assert o.dtype == DTYPES[dtype] and o.shape == r.shape
+        torch.testing.assert_close(o.float(), r, atol=atol, rtol=rtol)
+    n_act = len(inputs) - n_weights
+    for g, r in zip(grads[:n_act], ref_grads[:n_act], strict=True):
+        torch.testing.assert_close(g.float(), r, atol=atol, rtol=rtol)
+    for g, r in zip(grads[n_act:], ref_grads[n_act:], strict=True):
+        assert g.dtype == DTYPES[dtype]
+        assert (g.float() - r).abs().max() <= rtol * r.abs().max() + atol * rows**0.5
+
+
+def test_kernels_are_on_here():
+    status = K.get_kernel_status()
+    assert status["use_triton_kernels"], status["reason"]  # else every test below checks the reference
+
+
+# rows 1 / 199 / 1023; hidden 96 and 770 (not powers of two, 770 not a multiple of 16); strided rows
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rows,hidden", [(1, 96), (199, 770), (1023, 96)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rms_norm(dtype, rows, hidden, strided):
+    x = _randn(rows, hidden, dtype=DTYPES[dtype], strided=strided)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(DTYPES[dtype])
+    _compare(K.rms_norm, K.rms_norm_ref, [x, w], dtype, n_weights=1, rows=rows)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rows,hidden", [(1, 96), (199, 770), (1023, 96)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_swiglu(dtype, rows, hidden, fused):
+    if fused:  # the two halves of one gate/up projection: row stride 2 * hidden, no copy
+        h = _randn(rows, 2 * hidden, dtype=DTYPES[dtype])
+        a, b = h.split(hidden, dim=-1)
+        assert a.stride(0) == 2 * hidden
+    else:
+        a, b = _randn(rows, hidden, dtype=DTYPES[dtype]), _randn(rows, hidden, dtype=DTYPES[dtype])
+    _compare(K.swiglu, K.swiglu_ref, [a, b], dtype)
+
+
+# (B, S, Hq, Hkv, D): MHA, GQA 4:1 and 3:1 (non-power-of-two head counts), odd S, head dims 64 / 96 / 2
+ROPE_SHAPES = [(1, 1, 4, 4, 64), (2, 199, 8, 2, 64), (1, 33, 12, 4, 96), (3, 5, 3, 1, 2)]
+
+
+def _qk(B, S, Hq, Hkv, D, dtype, layout):
+    if layout == "bhsd":  # a (B, H, S, D) tensor passed as its (B, S, H, D) view
+        return (torch.randn(B, Hq, S, D, device=DEVICE, dtype=dtype).transpose(1, 2),
+                torch.randn(B, Hkv, S, D, device=DEVICE, dtype=dtype).transpose(1, 2))
+    if layout == "fused_qkv":  # slices of one qkv projection
+        qkv = torch.randn(B, S, (Hq + 2 * Hkv) * D, device=DEVICE, dtype=dtype)
+        q = qkv[..., : Hq * D].unflatten(-1, (Hq, D))
+        k = qkv[..., Hq * D: (Hq + Hkv) * D].unflatten(-1, (Hkv, D))
+        return q, k
+    return (torch.randn(B, S, Hq, D, device=DEVICE, dtype=dtype), torch.randn(B, S, Hkv, D, device=DEVICE, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", ROPE_SHAPES)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "fused_qkv"])
+def test_rope(dtype, shape, layout):
+    B, S, Hq, Hkv, D = shape
+    q, k = _qk(B, S, Hq, Hkv, D, DTYPES[dtype], layout)
+    cos, sin = K.rope_cache(S + 7, D, device=DEVICE)  # a cache longer than the sequence
+    _compare(lambda q, k: K.apply_rope(q, k, cos, sin), lambda q, k: K.rope_ref(q, k, cos[:S], sin[:S]), [q, k], dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", ROPE_SHAPES)
+@pytest.mark.parametrize("layout", ["bshd", "fused_qkv"])
+def test_qk_norm_rope(dtype, shape, layout):
+    B, S, Hq, Hkv, D = shape
+    q, k = _qk(B, S, Hq, Hkv, D, DTYPES[dtype], layout)
+    wq, wk = ((1 + 0.1 * torch.randn(D, device=DEVICE)).to(DTYPES[dtype]) for _ in range(2))
+    cos, sin = K.rope_cache(S, D, device=DEVICE)
+    _compare(lambda q, k, wq, wk: K.qk_norm_rope(q, k, wq, wk, cos, sin),
+             lambda q, k, wq, wk: K.qk_norm_rope_ref(q, k, wq, wk, cos, sin), [q, k, wq, wk], dtype,
+             n_weights=2, rows=B * S * Hq)
+
+
+def test_bf16_weight_gradient_is_summed_in_fp32():
+    """Summing 4096 bf16 terms in bf16 loses ~2 digits; the kernels' fp32 partials do not."""
+    x = _randn(4096, 64, dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(64, device=DEVICE)).to(torch.bfloat16)
+    _, (_, dw), g = _run(K.rms_norm, [x, w])
+    _, (_, dw_ref), _ = _run(K.rms_norm_ref, [x.double(), w.double()], [t.double() for t in g])
+    assert ((dw.double() - dw_ref).norm() / dw_ref.norm()).item() < 8e-3  # one bf16 rounding + fp32 noise
+
+
+def test_batched_rms_norm_keeps_shape():
+    x, w = _randn(2, 3, 5, 40), _randn(40)
+    y = K.rms_norm(x, w)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, K.rms_norm_ref(x, w), atol=1e-5, rtol=1e-5)
+
+
+def _ops_in_graph(fn, *args):
+    """Compile fn with fullgraph=True; return the op names of its captured graph and the output."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return seen, out
+
+
+def test_compile_fullgraph_uses_the_custom_ops():
+    S, D = 9, 64
+    cos, sin = K.rope_cache(S, D, device=DEVICE)
+    x, w = _randn(2, S, 96), _randn(96)
+    q, k = _randn(2, S, 4, D), _randn(2, S, 2, D)
+    wq, wk = _randn(D), _randn(D)
+
+    def block(x, w, q, k, wq, wk):
+        y = K.swiglu(K.rms_norm(x, w), x)
+        q1, k1 = K.apply_rope(q, k, cos, sin)
+        q2, k2 = K.qk_norm_rope(q, k, wq, wk, cos, sin)
+        return y, q1, k1, q2, k2
+
+    ops, outs = _ops_in_graph(block, x, w, q, k, wq, wk)
+    for op in ("adaattn.rms_norm_fwd", "adaattn.swiglu_fwd", "adaattn.rope", "adaattn.qk_norm_rope_fwd"):
+        assert any(op in o for o in ops), (op, ops)
+    for got, want in zip(outs, block(x, w, q, k, wq, wk), strict=True):
+        torch.testing.assert_close(got, want)
+    # and the backward through the compiled graph
+    leaves = [t.clone().requires_grad_() for t in (x, w, q, k, wq, wk)]
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    sum(o.float().sum() for o in compiled(*leaves)).backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w, q, k, wq, wk)]
+    sum(o.float().sum() for o in block(*ref_leaves)).backward()
+    for a, b in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_switches(monkeypatch):
+    calls = []
+    x, w = _randn(3, 16), _randn(16)
+    monkeypatch.setattr(K, "rms_norm_ref", lambda *a: calls.append("ref") or torch.zeros(3, 16))
+    K.set_use_triton_kernels(False)
+    try:
+        status = K.get_kernel_status()
+        assert not status["use_triton_kernels"] and "set_use_triton_kernels(False)" in status["reason"]
+        K.rms_norm(x, w)
+        assert calls == ["ref"]
+    finally:
+        K.set_use_triton_kernels(True)
+    assert K.get_kernel_status()["use_triton_kernels"]
+    K.rms_norm(x, w)
+    assert calls == ["ref"]  # the kernel ran, not the reference
+    monkeypatch.setenv(K.ENV_DISABLE, "1")
+    status = K.get_kernel_status()
+    assert not status["use_triton_kernels"] and K.ENV_DISABLE in status["reason"]
+    K.rms_norm(x, w)
+    assert calls == ["ref", "ref"]
+    with pytest.raises(TypeError, match="True or False"):
+        K.set_use_triton_kernels("yes")
+
+
+def test_without_interpreter_or_cuda_the_references_run(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the kernels run")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    status = K.get_kernel_status()
+    assert not status["use_triton_kernels"] and "no CUDA device" in status["reason"]
+    x, w = _randn(3, 16).double(), _randn(16).double()  # float64: only the reference takes it
+    torch.testing.assert_close(K.rms_norm(x, w), K.rms_norm_ref(x, w))
+
+
+def test_bad_inputs_are_rejected():
+    x = _randn(4, 8)
+    with pytest.raises(ValueError, match="weight must be"):
+        K.rms_norm(x, torch.ones(7, device=DEVICE))
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        K.rms_norm(x.double(), torch.ones(8, device=DEVICE, dtype=torch.float64))
+    with pytest.raises(ValueError, match="one shape"):
+        K.swiglu(x, _randn(4, 9))
+    cos, sin = K.rope_cache(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"\(>= S, D/2\)"):
+        K.apply_rope(_randn(1, 5, 2, 8), _randn(1, 5, 1, 8), cos, sin)  # cache shorter than S
+    with pytest.raises(ValueError, match="even"):
+        K.rope_cache(4, 7)
