@@ -54,6 +54,10 @@ def _compiled(kernel: str):
             setattr(cfg, knob, 512)
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         cfg.fail_on_recompile_limit_hit = True
+    # The bwd mode runs backward repeatedly through one retained graph; with donated buffers the
+    # compiled backward frees its saved tensors and refuses retain_graph=True. Off: the backward
+    # keeps them (the same kernels; only the fwd_bwd peak memory can differ).
+    torch._functorch.config.donated_buffer = False
     return torch.compile(REFS[kernel], fullgraph=True)
 
 

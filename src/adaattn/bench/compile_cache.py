@@ -31,11 +31,21 @@ class WarmReport:
     failures: tuple[str, ...]  # "case provider mode: error" for calls that failed in a worker
 
 
-def _init_worker() -> None:
+def compile_in_process() -> None:
+    """One compile at a time, in this process: no pool of Triton compile subprocesses.
+
+    For the workers (they are the parallelism) and for the measuring process once they are done:
+    there every kernel is already in the on-disk caches, and the pool (16 processes on the H100
+    host, shut down after each compile and started again by the next) cost 2-7 s per FlexAttention
+    group to load what the workers had compiled.
+    """
     import torch._inductor.config as inductor_config
 
-    # one compile at a time per worker: the workers are the parallelism
     inductor_config.compile_threads = 1
+
+
+def _init_worker() -> None:
+    compile_in_process()
 
 
 def _warm_group(study: Any, items: Sequence[WarmItem], device: str) -> list[str]:

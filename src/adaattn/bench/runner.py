@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from adaattn.bench.compile_cache import warm_compile_cache
+from adaattn.bench.compile_cache import compile_in_process, warm_compile_cache
 from adaattn.bench.harness import Case, Harness
 from adaattn.bench.provenance import cpu_model, provenance
 from adaattn.bench.results import results_path, write_results
@@ -81,6 +81,7 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
     if workers and groups:
         console.print(f"compiling {len(groups)} torch.compile groups in {min(workers, len(groups))} worker processes")
         warm = warm_compile_cache(study, groups, target.device, workers)
+        compile_in_process()
         console.print(f"  done in {warm.seconds:.0f} s" + (f"; {len(warm.failures)} calls failed there (measured "
                                                            f"again below): {warm.failures[0]}" if warm.failures else ""))
 

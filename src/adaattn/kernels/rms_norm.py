@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from adaattn.kernels.runtime import bench_for_autotune, check_float, programs_for, rows, tuned
+from adaattn.kernels.runtime import TunedLaunch, bench_for_autotune, check_float, flat_rows, programs_for, tuned
 
 MAX_HIDDEN = 2**16 // 4  # one row of fp32 must fit in a program's registers
 
@@ -99,30 +99,36 @@ def _check(x: Tensor, weight: Tensor) -> None:
         raise ValueError(f"x on {x.device}, weight on {weight.device}")
 
 
+_fwd = TunedLaunch(_rms_norm_fwd_kernel)
+_bwd = TunedLaunch(_rms_norm_bwd_kernel)
+
+
 def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Returns y (x's shape and dtype, contiguous) and rstd (M,) fp32."""
     _check(x, weight)
-    x2 = rows(x)
-    n_rows, n_cols = x2.shape
-    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    n_cols = x.shape[-1]
+    x2, x_rs = flat_rows(x)
+    n_rows = x.numel() // n_cols if n_cols else 0
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
-        grid = lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)  # noqa: E731
-        _rms_norm_fwd_kernel[grid](x2, weight, y, rstd, x2.stride(0), y.stride(0), n_rows, n_cols, eps,
-                                   BLOCK_N=_block(n_cols))
-    return y.view(x.shape), rstd
+        _fwd((n_cols, x.dtype, weight.dtype), lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),),
+             x2, weight, y, rstd, x_rs, n_cols, n_rows, n_cols, eps,
+             BLOCK_N=_block(n_cols))
+    return y, rstd
 
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    x2, dy2 = rows(x), rows(dy)
-    n_rows, n_cols = x2.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    n_cols = x.shape[-1]
+    (x2, x_rs), (dy2, dy_rs) = flat_rows(x), flat_rows(dy)
+    n_rows = rstd.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     programs = programs_for(n_rows, x.device)
     dw_partial = torch.zeros((programs, n_cols), dtype=torch.float32, device=x.device)
     if n_rows:
-        _rms_norm_bwd_kernel[(programs,)](x2, weight, dy2, rstd, dx, dw_partial, x2.stride(0), dy2.stride(0),
-                                          dx.stride(0), n_rows, n_cols, BLOCK_N=_block(n_cols))
-    return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
+        _bwd((n_cols, x.dtype, weight.dtype, dy.dtype), (programs,), x2, weight, dy2, rstd, dx, dw_partial,
+             x_rs, dy_rs, n_cols, n_rows, n_cols, BLOCK_N=_block(n_cols))
+    return dx, dw_partial.sum(0).to(weight.dtype)
 
 
 # --------------------------------------------------------------------------- autograd: eager and compiled

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from adaattn.kernels.runtime import bench_for_autotune, check_float, last_dim_contiguous, programs_for, tuned
+from adaattn.kernels.runtime import TunedLaunch, bench_for_autotune, check_float, last_dim_contiguous, programs_for, tuned
 
 _CONFIGS = tuned([triton.Config({}, num_warps=w) for w in (1, 2, 4, 8)])
 
@@ -192,6 +192,16 @@ def _check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tens
     return last_dim_contiguous(q), last_dim_contiguous(k), cos, sin
 
 
+_rope = TunedLaunch(_rope_kernel)
+_qk_fwd = TunedLaunch(_qk_norm_rope_fwd_kernel)
+_qk_bwd = TunedLaunch(_qk_norm_rope_bwd_kernel)
+
+
+def _key(q: Tensor, k: Tensor, cos: Tensor, *more: Tensor) -> tuple:
+    """What the autotuner keys on: head counts, half the head dim, and the dtypes."""
+    return (q.shape[2], k.shape[2], q.shape[3] // 2, q.dtype, k.dtype, cos.dtype, *(t.dtype for t in more))
+
+
 def _blocks(q: Tensor, k: Tensor) -> dict[str, int]:
     return dict(BLOCK_QH=triton.next_power_of_2(q.shape[2]), BLOCK_KH=triton.next_power_of_2(k.shape[2]),
                 BLOCK_D2=triton.next_power_of_2(q.shape[3] // 2))
@@ -203,8 +213,8 @@ def rope_apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool = 
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     B, S, Hq, D = q.shape
     if q.numel() and k.numel():
-        _rope_kernel[(B * S,)](q, k, qo, ko, cos, sin, *_strides(q), *_strides(k), *_strides(qo), *_strides(ko),
-                               cos.stride(0), S, Hq, k.shape[2], D // 2, **_blocks(q, k), BACKWARD=backward)
+        _rope(_key(q, k, cos), (B * S,), q, k, qo, ko, cos, sin, *_strides(q), *_strides(k), *_strides(qo),
+              *_strides(ko), cos.stride(0), S, Hq, k.shape[2], D // 2, **_blocks(q, k), BACKWARD=backward)
     return qo, ko
 
 
@@ -220,9 +230,9 @@ def qk_norm_rope_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, c
     rq = torch.empty(B * S * Hq, dtype=torch.float32, device=q.device)
     rk = torch.empty(B * S * k.shape[2], dtype=torch.float32, device=q.device)
     if q.numel() and k.numel():
-        _qk_norm_rope_fwd_kernel[(B * S,)](
-            q, k, qo, ko, q_weight, k_weight, rq, rk, cos, sin, *_strides(q), *_strides(k), *_strides(qo),
-            *_strides(ko), cos.stride(0), S, Hq, k.shape[2], D // 2, eps, **_blocks(q, k))
+        _qk_fwd(_key(q, k, cos, q_weight, k_weight), (B * S,),
+                q, k, qo, ko, q_weight, k_weight, rq, rk, cos, sin, *_strides(q), *_strides(k), *_strides(qo),
+                *_strides(ko), cos.stride(0), S, Hq, k.shape[2], D // 2, eps, **_blocks(q, k))
     return qo, ko, rq, rk
 
 
@@ -236,10 +246,10 @@ def qk_norm_rope_bwd(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, q_weight: Ten
     dwq = torch.zeros((programs, D), dtype=torch.float32, device=q.device)
     dwk = torch.zeros((programs, D), dtype=torch.float32, device=q.device)
     if q.numel() and k.numel():
-        _qk_norm_rope_bwd_kernel[(programs,)](
-            dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin, dxq, dxk, dwq, dwk,
-            *_strides(dq), *_strides(dk), *_strides(q), *_strides(k), *_strides(dxq), *_strides(dxk),
-            cos.stride(0), B * S, S, Hq, k.shape[2], D // 2, **_blocks(q, k))
+        _qk_bwd(_key(q, k, cos, q_weight, k_weight, dq, dk), (programs,),
+                dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin, dxq, dxk, dwq, dwk,
+                *_strides(dq), *_strides(dk), *_strides(q), *_strides(k), *_strides(dxq), *_strides(dxk),
+                cos.stride(0), B * S, S, Hq, k.shape[2], D // 2, **_blocks(q, k))
     return dxq, dxk, dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from adaattn.kernels.runtime import bench_for_autotune, check_float, rows, tuned
+from adaattn.kernels.runtime import TunedLaunch, bench_for_autotune, check_float, flat_rows, tuned
 
 
 def _prune(configs, named_args, **kwargs):
@@ -70,25 +70,31 @@ def _check(a: Tensor, b: Tensor) -> None:
                          f"{a.device} and {tuple(b.shape)} {b.dtype} {b.device}")
 
 
+_fwd = TunedLaunch(_swiglu_fwd_kernel)
+_bwd = TunedLaunch(_swiglu_bwd_kernel)
+
+
 def swiglu_fwd(a: Tensor, b: Tensor) -> Tensor:
     _check(a, b)
-    a2, b2 = rows(a), rows(b)
-    n_rows, n_cols = a2.shape
-    c = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
+    (a2, a_rs), (b2, b_rs) = flat_rows(a), flat_rows(b)
+    n_cols = a.shape[-1]
+    c = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     if c.numel():
-        _swiglu_fwd_kernel[_grid(n_rows, n_cols)](a2, b2, c, a2.stride(0), b2.stride(0), c.stride(0), n_rows, n_cols)
-    return c.view(a.shape)
+        n_rows = c.numel() // n_cols
+        _fwd((n_cols, a.dtype), _grid(n_rows, n_cols), a2, b2, c, a_rs, b_rs, n_cols, n_rows, n_cols)
+    return c
 
 
 def swiglu_bwd(dc: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    a2, b2, dc2 = rows(a), rows(b), rows(dc)
-    n_rows, n_cols = a2.shape
-    da = torch.empty((n_rows, n_cols), dtype=a.dtype, device=a.device)
+    (a2, a_rs), (b2, b_rs), (dc2, dc_rs) = flat_rows(a), flat_rows(b), flat_rows(dc)
+    n_cols = a.shape[-1]
+    da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     db = torch.empty_like(da)
     if da.numel():
-        _swiglu_bwd_kernel[_grid(n_rows, n_cols)](dc2, a2, b2, da, db, dc2.stride(0), a2.stride(0), b2.stride(0),
-                                                  da.stride(0), db.stride(0), n_rows, n_cols)
-    return da.view(a.shape), db.view(a.shape)
+        n_rows = da.numel() // n_cols
+        _bwd((n_cols, a.dtype, dc.dtype), _grid(n_rows, n_cols), dc2, a2, b2, da, db, dc_rs, a_rs, b_rs, n_cols,
+             n_cols, n_rows, n_cols)
+    return da, db
 
 
 class SwiGLUFunction(torch.autograd.Function):
