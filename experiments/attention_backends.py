@@ -18,6 +18,7 @@ from torch import Tensor
 
 from adaattn.attention.providers import PROVIDERS, AttentionCase
 from adaattn.attention.reference import attention_ref
+from adaattn.bench.compile_cache import FreshCompiles, WarmItem, segments
 from adaattn.bench.harness import Case, Workload
 from adaattn.bench.runner import target_sections
 from adaattn.config import Params, Target
@@ -69,6 +70,7 @@ class AttentionBackends:
     def __init__(self, device: str = "cpu"):
         self.device = device
         self._inputs: tuple[str, tuple[Tensor, Tensor, Tensor]] | None = None
+        self._compiles = FreshCompiles()
 
     def bind(self, device: str) -> AttentionBackends:
         """A fresh instance for one run on ``device``."""
@@ -94,27 +96,35 @@ class AttentionBackends:
         if p.layout == "bshd":
             q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, S, H, D)
         q, k, v = (t.detach().clone().requires_grad_(requires_grad) for t in (q, k, v))
+        if p.compiled:
+            self._compiles.enter(self.compile_key(case, provider))
         fn = p.build(c)
         # the reference covers the first batch element
         to_ref = (lambda t: t.transpose(1, 2)[:1]) if p.layout == "bshd" else (lambda t: t[:1])
         return Workload(fwd=lambda: fn(q, k, v), inputs=[q, k, v], flops_fwd=c.flops_fwd(),
                         to_reference_layout=to_ref)
 
-    def compile_groups(self, cases: list[Case]) -> list[list[tuple[Case, str, str]]]:
-        """(case, provider, mode) first calls of the compiled providers, one list per compile:
-        (provider, dtype, head dim, mask, mode), in the order the harness will make them."""
-        groups: dict[tuple, list[tuple[Case, str, str]]] = {}
-        for case in cases:
-            for provider in case.providers:
-                p = PROVIDERS[provider]
-                if not p.compiled or p.unavailable(self.device):
-                    continue
-                for mode in case.modes:
-                    if mode == "fwd" or self.has_backward(provider):
-                        c = case.config
-                        key = (provider, c["dtype"], c["head_dim"], c["causal"], mode)
-                        groups.setdefault(key, []).append((case, provider, mode))
-        return list(groups.values())
+    @staticmethod
+    def compile_key(case: Case, provider: str) -> tuple:
+        """What a compile of ``provider`` depends on: dtype, head dim and mask (B and S are symbolic),
+        and whether B is 1 (dynamo specialises a size of 1: its own graph)."""
+        c = case.config
+        return provider, c["dtype"], c["head_dim"], c["causal"], c["batch"] == 1
+
+    def compile_groups(self, cases: list[Case]) -> list[list[WarmItem]]:
+        """First calls of the compiled providers, cut into segments (see ``bench.compile_cache``):
+        runs of one compile key in the order the harness makes them, both modes included."""
+        items = [(case, provider, mode) for case in cases for provider in case.providers
+                 if PROVIDERS[provider].compiled and not PROVIDERS[provider].unavailable(self.device)
+                 for mode in case.modes if mode == "fwd" or self.has_backward(provider)]
+        return segments(items, lambda item: self.compile_key(item[0], item[1]))
+
+    def host_warm_items(self, cases: list[Case]) -> list[WarmItem]:
+        """First calls whose cost is on the host (cuDNN builds a graph per new shape and mode), for
+        the measuring process to make while the workers compile."""
+        return [(case, provider, mode) for case in cases for provider in case.providers
+                if PROVIDERS[provider].host_plans and not PROVIDERS[provider].unavailable(self.device)
+                for mode in case.modes if mode == "fwd" or self.has_backward(provider)]
 
     def reference(self, case: Case) -> Tensor:
         # First batch element only: the float64 reference costs S^2 memory per head, and every

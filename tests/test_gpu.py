@@ -1,5 +1,7 @@
 """GPU checks (skipped without CUDA): forced backends run their own kernels, timer, memory, accuracy."""
 
+import time
+
 import pytest
 import torch
 
@@ -61,3 +63,21 @@ def test_cuda_timer_and_memory():
     assert 0 < q.p20 <= q.p50 <= q.p80 and q.n >= CudaTimer.MIN_REPEATS
     peak = peak_memory_bytes(lambda: torch.empty(64 * 2**20, device="cuda", dtype=torch.uint8), "cuda")
     assert peak == 64 * 2**20
+
+
+def test_kernel_time_is_the_device_share_of_a_call():
+    """Kernel time of a GPU-bound call matches its event time; of a host-bound call it is far below."""
+    from adaattn.bench.timing import kernel_time_ms
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    events = CudaTimer(warmup_ms=5, rep_ms=20)(lambda: a @ a)
+    kernel = kernel_time_ms(lambda: a @ a, 10)
+    assert kernel is not None and kernel.n == 10
+    assert 0.8 < kernel.p50 / events.p50 < 1.1
+    x = torch.randn(64, device="cuda")
+
+    def host_bound():
+        time.sleep(0.002)  # 2 ms of host work before a tiny kernel
+        return x * 2
+
+    assert kernel_time_ms(host_bound, 5).p50 < 0.1 < CudaTimer(warmup_ms=5, rep_ms=20)(host_bound).p50

@@ -12,7 +12,6 @@ from adaattn.bench.accuracy import accuracy
 from adaattn.bench.harness import Case, Harness, Workload, classify_error
 from adaattn.errors import Unsupported
 from adaattn.bench.memory import peak_memory_bytes
-from adaattn.bench.compile_cache import warm_compile_cache
 from adaattn.bench.roofline import Ceilings, gbps, mode_flops, tflops
 from adaattn.bench.timing import CpuTimer, quantiles
 
@@ -148,37 +147,11 @@ def test_write_results_is_atomic(tmp_path, monkeypatch):
         results_mod.write_results(path, [{"nonsense": 1}], [])
 
 
-class _WarmStudy:
-    """Records, per first call, the process and the grad mode it ran in (module level: picklable)."""
+def test_per_call_kernel_ms_cuts_a_trace_at_the_flush_kernels():
+    from adaattn.bench.timing import FLUSH_MARK, per_call_kernel_ms
 
-    def __init__(self, log_dir):
-        self.log_dir = log_dir
-
-    def setup(self, case, provider, requires_grad):
-        import os
-
-        if provider == "broken":
-            raise RuntimeError("cannot compile")
-        x = torch.ones(3, requires_grad=requires_grad)
-
-        def fwd():
-            (self.log_dir / f"{case.case_id}-{provider}").write_text(f"{os.getpid()} {torch.is_grad_enabled()}")
-            return x * 2
-
-        return Workload(fwd=fwd, inputs=[x], flops_fwd=0)
-
-
-def test_warm_compile_cache_runs_each_group_in_a_worker(tmp_path):
-    import os
-
-    case = lambda i: Case(f"c{i}", "T", {}, ("p",), ("fwd",))  # noqa: E731
-    groups = [[(case(0), "p", "fwd"), (case(1), "p", "fwd")], [(case(2), "p", "fwd_bwd")],
-              [(case(3), "broken", "fwd")]]
-    report = warm_compile_cache(_WarmStudy(tmp_path), groups, "cpu", workers=2)
-    assert report.groups == 3 and report.workers == 2 and report.seconds > 0
-    assert len(report.failures) == 1 and "c3 broken fwd: RuntimeError: cannot compile" in report.failures[0]
-    seen = {f.name: f.read_text().split() for f in tmp_path.iterdir()}
-    assert set(seen) == {"c0-p", "c1-p", "c2-p"}
-    assert all(pid != str(os.getpid()) for pid, _ in seen.values())  # never in the measuring process
-    assert seen["c0-p"][1] == "False" and seen["c2-p"][1] == "True"  # the grad mode the harness times in
-    assert warm_compile_cache(_WarmStudy(tmp_path), [], "cpu", workers=4).workers == 0
+    flush = f"vectorized_elementwise_kernel<{FLUSH_MARK}_kernel_cuda>"
+    trace = [("warm-up leftover", 0, 5_000), (flush, 10, 90_000), ("k1", 20, 2_000), ("Memset", 25, 500),
+             ("k2", 30, 1_000), (flush, 40, 90_000), ("k1", 50, 4_000)]
+    assert per_call_kernel_ms(list(reversed(trace)), 2) == [0.0035, 0.004]  # in start order, whatever the input order
+    assert per_call_kernel_ms(trace, 3) is None  # not one flush per call: no numbers rather than wrong ones

@@ -29,3 +29,39 @@ def test_compile_provider_runs_every_mode(kernel):
     assert fwd["compile"] < 1e-5 and fwd["eager"] < 1e-5
     gbps = rows[rows.metric == "gbps"]
     assert len(gbps) == 6 and (gbps.value > 0).all()
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm", "swiglu", "rope", "qk_norm_rope"])
+def test_reference_covers_the_first_tokens(kernel, monkeypatch):
+    """Past REF_TOKENS tokens the float64 reference is of the first ones only, and the output
+    is cut to match (the largest sweep points ran out of memory in a full float64 copy)."""
+    import torch
+
+    from adaattn_experiments import kernels as K
+
+    study = STUDY.bind("cpu")
+    case = Kernels._case("G4-T1", kernel, 1, 48, 128, "fp32", _Section(("eager",), ("fwd",)))
+    full = study.reference(case)
+    monkeypatch.setattr(K, "REF_TOKENS", 20)
+    part = study.reference(case)
+    out = study.setup(case, "eager", requires_grad=False)
+    sliced = out.to_reference_layout(out.fwd())
+    for p, f, o in zip(*(t if isinstance(t, tuple) else (t,) for t in (part, full, sliced)), strict=True):
+        assert p.shape[1] == 20 and o.shape == p.shape
+        torch.testing.assert_close(p, f[:, :20])
+        torch.testing.assert_close(o.double(), p, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_groups_are_segments_of_one_hidden_size():
+    from pathlib import Path
+
+    from adaattn.config import load_params
+
+    params, _ = load_params(Path(__file__).parents[1] / "params.yaml")
+    study = Kernels("cuda")
+    cases = study.cases(params, params.targets["h100"])
+    groups = study.compile_groups(cases)
+    assert [i for g in groups for i in g] == [(c, "compile", m) for c in cases for m in c.modes]
+    keys = [{(c.config["op"], c.config["dtype"], c.config["hidden"]) for c, _, _ in g} for g in groups]
+    assert all(len(k) == 1 for k in keys) and all(a != b for a, b in zip(keys, keys[1:]))
+    assert {m for g in groups for _, _, m in g} == {"fwd", "bwd", "fwd_bwd"}  # every mode, in one segment

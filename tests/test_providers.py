@@ -123,15 +123,18 @@ def test_attention_study_compile_groups():
         study = AttentionBackends(device)
         cases = study.cases(params, params.targets[target])
         groups = study.compile_groups(cases)
-        items = [item for g in groups for item in g]
-        assert items and {p for _, p, _ in items} == {"flex"}
-        keys = {(c.config["dtype"], c.config["head_dim"], c.config["causal"], m) for c, _, m in items}
-        assert len(groups) == len(keys)  # one group per compile
-        # every flex measurement the harness will make is warmed, in the harness's order
+        # every flex first call the harness will make, in the harness's order, cut into segments
         expected = [(c, "flex", m) for c in cases if "flex" in c.providers for m in c.modes
                     if m == "fwd" or study.has_backward("flex")]
-        assert sorted(items, key=expected.index) == expected
-        for g in groups:
-            assert g == sorted(g, key=expected.index)
+        assert [item for g in groups for item in g] == expected
+        keys = [{study.compile_key(c, p) for c, p, _ in g} for g in groups]
+        assert all(len(k) == 1 for k in keys)  # one compile key per segment
+        assert all(a != b for a, b in zip(keys, keys[1:]))  # maximal runs
+        if device == "cuda":  # B = 1 (S = 16384 at 16384 tokens) is a segment of its own
+            assert any(c.config["batch"] == 1 for g in groups for c, _, _ in g)
+            assert all(len({c.config["batch"] == 1 for c, _, _ in g}) == 1 for g in groups)
+            host = study.host_warm_items(cases)
+            assert {p for _, p, _ in host} == {"sdpa", "sdpa_cudnn"}
+            assert {m for _, _, m in host} == {"fwd", "fwd_bwd"}
     assert all(m == "fwd" for g in AttentionBackends("cpu").compile_groups(
         AttentionBackends("cpu").cases(params, params.targets["cpu"])) for _, _, m in g)  # no CPU flex backward

@@ -22,7 +22,7 @@ from torch import Tensor
 from adaattn.bench.accuracy import accuracy
 from adaattn.bench.memory import profiled_call
 from adaattn.bench.roofline import Ceilings, gbps, mode_bytes, mode_flops, tflops
-from adaattn.bench.timing import host_time_ms
+from adaattn.bench.timing import host_time_ms, kernel_time_ms
 from adaattn.errors import Unsupported
 
 
@@ -85,6 +85,7 @@ class Harness:
     timer: Callable
     ceilings: Ceilings
     host_calls: int = 0  # > 0: also time the host side of this many back-to-back calls (CUDA only)
+    kernel_calls: int = 0  # > 0: also sum the kernel time of each of this many calls (CUDA only)
     rows: list[dict] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # where the run's wall time went
     _refs: dict[str, Tensor | None] = field(default_factory=dict)
@@ -205,12 +206,24 @@ class Harness:
             if self.host_calls and self.device == "cuda":
                 with self._phase("host time"):
                     host_ms = host_time_ms(thunk, self.host_calls, clear)
+            kernel_t = None
+            if self.kernel_calls and self.device == "cuda":
+                with self._phase("kernel time (profiler)"):
+                    kernel_t = kernel_time_ms(thunk, self.kernel_calls, clear)
             with self._phase("peak memory + kernel names (profiler)"):
                 profiled = profiled_call(thunk, self.device)
         common = dict(kernel=profiled.kernels)
         self._row(case, provider, mode, "time_ms", t.p50, p20=t.p20, p80=t.p80, unit="ms", **common)
         if host_ms is not None:
             self._row(case, provider, mode, "host_ms", host_ms, unit="ms of host time per call, no sync", **common)
+        if self.kernel_calls and self.device == "cuda":
+            if kernel_t is None:
+                self._row(case, provider, mode, "kernel_ms", None, status="error", reason=(
+                    "the kernel trace could not be cut into calls (the workload launches the flush marker)"),
+                    **common)
+            else:
+                self._row(case, provider, mode, "kernel_ms", kernel_t.p50, p20=kernel_t.p20, p80=kernel_t.p80,
+                          unit="ms of GPU kernel time per call (sum over its kernels)", **common)
         if w.flops_fwd:
             flops = mode_flops(w.flops_fwd, mode)
             # rate quantiles: the fast end (p20 time) is the high rate

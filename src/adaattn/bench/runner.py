@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from adaattn.bench.compile_cache import compile_in_process, warm_compile_cache
+from adaattn.bench.compile_cache import compile_in_process, warm_calls, warm_compile_cache
 from adaattn.bench.harness import Case, Harness
 from adaattn.bench.provenance import cpu_model, provenance
 from adaattn.bench.results import results_path, write_results
@@ -79,17 +79,23 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
     workers = getattr(params.bench, target.profile).compile_workers
     groups = study.compile_groups(cases) if hasattr(study, "compile_groups") else []
     if workers and groups:
-        console.print(f"compiling {len(groups)} torch.compile groups in {min(workers, len(groups))} worker processes")
-        warm = warm_compile_cache(study, groups, target.device, workers)
+        # meanwhile, this process makes the first calls whose cost is on the host (a fresh instance:
+        # the study sent to the workers stays as it is)
+        host_items = study.host_warm_items(cases) if hasattr(study, "host_warm_items") else []
+        console.print(f"compiling {len(groups)} torch.compile segments in {min(workers, len(groups))} worker "
+                      f"processes; meanwhile {len(host_items)} host-heavy first calls here")
+        warm = warm_compile_cache(study, groups, target.device, workers,
+                                  meanwhile=lambda: warm_calls(study.bind(target.device), host_items, target.device))
         compile_in_process()
-        console.print(f"  done in {warm.seconds:.0f} s" + (f"; {len(warm.failures)} calls failed there (measured "
-                                                           f"again below): {warm.failures[0]}" if warm.failures else ""))
+        console.print(f"  done in {warm.seconds:.0f} s (first calls here: {warm.meanwhile_seconds:.0f} s)"
+                      + (f"; {len(warm.failures)} calls failed there (measured again below): {warm.failures[0]}"
+                         if warm.failures else ""))
 
     torch.manual_seed(0)
     timer = make_timer(target.device, params.bench)
     console.print(f"[bold]{study.name}[/] on target [bold]{target_name}[/]: measuring machine ceilings")
     harness = Harness(target.device, timer, measure_ceilings(target.device, timer),
-                      host_calls=getattr(study, "host_calls", 0))
+                      host_calls=getattr(study, "host_calls", 0), kernel_calls=getattr(study, "kernel_calls", 0))
     console.print(f"  copy {harness.ceilings.copy_gbps:.0f} GB/s, {harness.ceilings.gemm_dtype} GEMM "
                   f"{harness.ceilings.gemm_tflops:.1f} TFLOP/s")
     total = sum(len(c.providers) for c in cases)

@@ -123,6 +123,47 @@ def host_time_ms(fn: Callable[[], object], calls: int, grad_to_none: Sequence[to
     return elapsed * 1e3 / calls
 
 
+FLUSH_MARK = "bitwise_not"  # the kernel that separates calls in a kernel-time trace; no workload uses it
+
+
+def per_call_kernel_ms(kernels: Sequence[tuple[str, int, int]], calls: int) -> list[float] | None:
+    """Per-call sums of kernel durations from a trace of ``calls`` calls, each after a flush kernel.
+
+    ``kernels``: (name, start_ns, duration_ns) of every GPU kernel and memset in the trace. A call is
+    everything between one flush kernel and the next. None when the trace does not hold exactly
+    ``calls`` flush kernels (a workload that launches the marker itself).
+    """
+    sums: list[float] = []
+    for name, _, duration in sorted(kernels, key=lambda k: k[1]):
+        if FLUSH_MARK in name:
+            sums.append(0.0)
+        elif sums:
+            sums[-1] += duration / 1e6
+    return sums if len(sums) == calls else None
+
+
+def kernel_time_ms(fn: Callable[[], object], calls: int,
+                   grad_to_none: Sequence[torch.Tensor] | None = None) -> Quantiles | None:
+    """GPU time of the kernels one call launches, summed (CUPTI through the profiler), over ``calls``
+    calls, each after an L2 flush: the device's share of a call, with no host time in it. None when
+    the trace cannot be cut into calls (see ``per_call_kernel_ms``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for t in grad_to_none or []:
+                t.grad = None
+            flush.bitwise_not_()
+            fn()
+        torch.cuda.synchronize()
+    kernels = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
+               if e.device_type() == torch.autograd.DeviceType.CUDA]
+    sums = per_call_kernel_ms(kernels, calls)
+    return quantiles(sums) if sums else None
+
+
 def make_timer(device: str, bench) -> CudaTimer | CpuTimer:
     """The timer for a device from the ``bench`` section of params.yaml."""
     if device == "cuda":

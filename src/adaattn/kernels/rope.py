@@ -24,14 +24,32 @@ _CONFIGS = tuned([triton.Config({}, num_warps=w) for w in (1, 2, 4, 8)])
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, b, s, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, cos, sin, n_heads, half,
-                  BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+def _angles(cos_ptr, sin_ptr, s, cs_rs, half, BLOCK_D2: tl.constexpr):
+    """Position s's cos and sin rows, fp32, as (1, BLOCK_D2) to broadcast over heads."""
+    d = tl.arange(0, BLOCK_D2)
+    cos = tl.load(cos_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def _load_heads(x_ptr, b, s, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """Token (b, s)'s heads as two fp32 halves (BLOCK_H, BLOCK_D2), and their mask."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D2)
     mask = (h < n_heads)[:, None] & (d < half)[None, :]
     src = x_ptr + b * x_sb + s * x_ss + h[:, None] * x_sh + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2, mask
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, b, s, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, cos, sin, n_heads, half,
+                  BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    x1, x2, mask = _load_heads(x_ptr, b, s, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D2)
     dst = o_ptr + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
     tl.store(dst, (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half, (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
@@ -46,9 +64,7 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
     pid = tl.program_id(0).to(tl.int64)
     b = pid // seq_len
     s = pid % seq_len
-    d = tl.arange(0, BLOCK_D2)
-    cos = tl.load(cos_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    cos, sin = _angles(cos_ptr, sin_ptr, s, cs_rs, half, BLOCK_D2)
     if BACKWARD:  # the rotation is orthogonal: its transpose is the rotation by -angle
         sin = -sin
     _rotate_heads(q_ptr, qo_ptr, b, s, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, cos, sin, n_qh, half, BLOCK_QH, BLOCK_D2)
@@ -58,13 +74,10 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
 @triton.jit
 def _norm_rotate_heads(x_ptr, o_ptr, w_ptr, rstd_ptr, b, s, token, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, cos, sin,
                        n_heads, half, eps, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    x1, x2, mask = _load_heads(x_ptr, b, s, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H, BLOCK_D2)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D2)
     hmask = h < n_heads
-    mask = hmask[:, None] & (d < half)[None, :]
-    src = x_ptr + b * x_sb + s * x_ss + h[:, None] * x_sh + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)
     tl.store(rstd_ptr + token * n_heads + h, rstd, mask=hmask)
     w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
@@ -85,9 +98,7 @@ def _qk_norm_rope_fwd_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, wq_ptr, wk_ptr, rq_pt
     pid = tl.program_id(0).to(tl.int64)
     b = pid // seq_len
     s = pid % seq_len
-    d = tl.arange(0, BLOCK_D2)
-    cos = tl.load(cos_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    cos, sin = _angles(cos_ptr, sin_ptr, s, cs_rs, half, BLOCK_D2)
     _norm_rotate_heads(q_ptr, qo_ptr, wq_ptr, rq_ptr, b, s, pid, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, cos, sin,
                        n_qh, half, eps, BLOCK_QH, BLOCK_D2)
     _norm_rotate_heads(k_ptr, ko_ptr, wk_ptr, rk_ptr, b, s, pid, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, cos, sin,
@@ -102,16 +113,11 @@ def _norm_rotate_heads_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, b, s, token,
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D2)
     hmask = h < n_heads
-    mask = hmask[:, None] & (d < half)[None, :]
-    g = dy_ptr + b * dy_sb + s * dy_ss + h[:, None] * dy_sh + d[None, :]
-    dy1 = tl.load(g, mask=mask, other=0.0).to(tl.float32)
-    dy2 = tl.load(g + half, mask=mask, other=0.0).to(tl.float32)
+    dy1, dy2, mask = _load_heads(dy_ptr, b, s, dy_sb, dy_ss, dy_sh, n_heads, half, BLOCK_H, BLOCK_D2)
     # undo the rotation: gradient with respect to the normalised head
     dn1 = dy1 * cos + dy2 * sin
     dn2 = dy2 * cos - dy1 * sin
-    src = x_ptr + b * x_sb + s * x_ss + h[:, None] * x_sh + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    x1, x2, _ = _load_heads(x_ptr, b, s, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H, BLOCK_D2)
     rstd = tl.load(rstd_ptr + token * n_heads + h, mask=hmask, other=0.0)[:, None]
     w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
@@ -146,8 +152,7 @@ def _qk_norm_rope_bwd_kernel(dq_ptr, dk_ptr, q_ptr, k_ptr, wq_ptr, wk_ptr, rq_pt
         if token < n_tokens:
             b = token // seq_len
             s = token % seq_len
-            cos = tl.load(cos_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-            sin = tl.load(sin_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+            cos, sin = _angles(cos_ptr, sin_ptr, s, cs_rs, half, BLOCK_D2)
             a1, a2 = _norm_rotate_heads_bwd(dq_ptr, q_ptr, wq_ptr, rq_ptr, dxq_ptr, b, s, token,
                                             dq_sb, dq_ss, dq_sh, q_sb, q_ss, q_sh, dxq_sb, dxq_ss, dxq_sh,
                                             cos, sin, n_qh, half, BLOCK_QH, BLOCK_D2)
