@@ -1,7 +1,7 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, forward and backward in Triton (G4-T2, G4-C1).
 
 Forward: each program normalises ROWS rows held in registers (several rows per program for small
-hidden sizes, one for large). Backward: a persistent grid (4 programs per SM) walks blocks of
+hidden sizes, one for large). Backward: a persistent grid (PPS programs per SM, autotuned) walks blocks of
 rows and accumulates its partial weight gradient in fp32 registers; the partials (programs x
 hidden) are summed in fp32 and cast once, so a bf16 weight gradient is summed in fp32.
 Statistics (mean square, rstd) are fp32 whatever the input dtype. Autotuned on the hidden size
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from adaattn.kernels.partials import sum_partials
 from adaattn.kernels.runtime import TunedLaunch, bench_for_autotune, check_float, flat_rows, programs_for, tuned
 
 MAX_HIDDEN = 2**16 // 4  # one row of fp32 must fit in a program's registers
@@ -28,6 +29,20 @@ def _prune(configs, named_args, **kwargs):
 
 _CONFIGS = tuned([triton.Config({"ROWS": r}, num_warps=w) for r, w in
                   [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)]])
+# backward: also the persistent grid, PPS programs per SM (few rows per program hide too little
+# latency; many programs write many fp32 partial rows)
+_BWD_CONFIGS = tuned([triton.Config({"ROWS": r, "PPS": p}, num_warps=w) for r, w in
+                      [(1, 4), (1, 8), (1, 16), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8)] for p in (2, 4, 8, 16)])
+
+
+def _max_pps(block_n: int) -> int:
+    """The largest backward grid for a hidden size: its fp32 partials stay under 256 KB per SM."""
+    return max(1, min(16, 2**16 // block_n))
+
+
+def _prune_bwd(configs, named_args, **kwargs):
+    return _prune([c for c in configs if c.kwargs["PPS"] <= _max_pps(kwargs["BLOCK_N"])] or configs[:1],
+                  named_args, **kwargs)
 
 
 @triton.autotune(configs=_CONFIGS, key=["n_cols"], prune_configs_by={"early_config_prune": _prune},
@@ -51,13 +66,13 @@ def _rms_norm_fwd_kernel(
     tl.store(y_ptr + r[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_cols"], prune_configs_by={"early_config_prune": _prune},
+@triton.autotune(configs=_BWD_CONFIGS, key=["n_cols"], prune_configs_by={"early_config_prune": _prune_bwd},
                  do_bench=bench_for_autotune)
 @triton.jit
 def _rms_norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
     x_row_stride, dy_row_stride, dx_row_stride, n_rows, n_cols,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PPS: tl.constexpr,  # PPS: the grid's, read by the launcher
 ):
     pid = tl.program_id(0).to(tl.int64)
     blocks_per_program = tl.cdiv(tl.cdiv(n_rows, ROWS), tl.num_programs(0))
@@ -123,12 +138,18 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[T
     (x2, x_rs), (dy2, dy_rs) = flat_rows(x), flat_rows(dy)
     n_rows = rstd.shape[0]
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    programs = programs_for(n_rows, x.device)
-    dw_partial = torch.zeros((programs, n_cols), dtype=torch.float32, device=x.device)
-    if n_rows:
-        _bwd((n_cols, x.dtype, weight.dtype, dy.dtype), (programs,), x2, weight, dy2, rstd, dx, dw_partial,
-             x_rs, dy_rs, n_cols, n_rows, n_cols, BLOCK_N=_block(n_cols))
-    return dx, dw_partial.sum(0).to(weight.dtype)
+    if not n_rows:
+        return dx, torch.zeros_like(weight)
+    # rows for the largest grid; the chosen grid's programs each write their row, and only those are summed
+    block = _block(n_cols)
+    dw_partial = torch.empty((programs_for(n_rows, x.device, _max_pps(block)), n_cols), dtype=torch.float32,
+                             device=x.device)
+    def programs(meta) -> int:  # never more programs than blocks of rows: each writes a partial row
+        return programs_for(triton.cdiv(n_rows, meta["ROWS"]), x.device, meta["PPS"])
+
+    meta = _bwd((n_cols, x.dtype, weight.dtype, dy.dtype), lambda meta: (programs(meta),),
+                x2, weight, dy2, rstd, dx, dw_partial, x_rs, dy_rs, n_cols, n_rows, n_cols, BLOCK_N=block)
+    return dx, sum_partials(dw_partial[:programs(meta)], weight.dtype)
 
 
 # --------------------------------------------------------------------------- autograd: eager and compiled

@@ -3,11 +3,15 @@
 q: (B, S, Hq, D), k: (B, S, Hkv, D) (GQA: Hq a multiple of Hkv, or any counts), any strides over
 B, S and H with the head dim contiguous, so a (B, H, S, D) tensor passes as ``t.transpose(1, 2)``
 and a slice of a fused qkv projection passes without a copy. cos, sin: (S, D/2) from one shared
-cache (``reference.rope_cache``), rotate-half convention. One program per token rotates every q
-and k head of it, reading its cos/sin row once.
+cache (``reference.rope_cache``), rotate-half convention. One program rotates every q and k head
+of TOKENS consecutive tokens, a (TOKENS, heads, D/2) tile per half, reading each cos/sin row
+once; TOKENS is autotuned on the head counts and head dim (many tokens per program when a token
+has few heads: one token of 4 heads x 128 is 1 KB, too little work for a program). Head counts
+and head dim are compile-time constants (one compile per attention shape of a model), so the
+head and head-dim masks fold away.
 
 QK-norm (Qwen3, OLMo2): RMSNorm over the head dim of each head with weights (D,), then the
-rotation. Its backward is a persistent grid whose programs accumulate the two weight gradients
+rotation. Its backward is a persistent grid (PPS programs per SM, autotuned) whose programs accumulate the two weight gradients
 in fp32 registers; the partials are summed in fp32 and cast once.
 """
 
@@ -18,152 +22,190 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from adaattn.kernels.partials import sum_partials
 from adaattn.kernels.runtime import TunedLaunch, bench_for_autotune, check_float, last_dim_contiguous, programs_for, tuned
 
-_CONFIGS = tuned([triton.Config({}, num_warps=w) for w in (1, 2, 4, 8)])
+def _prune(configs, named_args, **kwargs):
+    """Keep tiles of TOKENS x heads x D/2 of at most 4096 elements per q or k half."""
+    heads = max(kwargs["BLOCK_QH"], kwargs["BLOCK_KH"]) * kwargs["BLOCK_D2"]
+    keep = [c for c in configs if c.kwargs["TOKENS"] * heads <= 4096 or c.kwargs["TOKENS"] == 1]
+    return keep or configs[:1]
+
+
+_CONFIGS = tuned([triton.Config({"TOKENS": t}, num_warps=w) for t, w in
+                  [(4, 4), (1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (4, 8), (8, 4), (8, 8),
+                   (16, 4), (16, 8), (32, 4), (32, 8)]])
+# QK-norm backward: also its persistent grid, PPS programs per SM
+_BWD_CONFIGS = tuned([triton.Config({"TOKENS": t, "PPS": p}, num_warps=w) for t, w in
+                      [(4, 4), (1, 4), (2, 4), (4, 8), (8, 4), (8, 8), (16, 8)] for p in (1, 2, 4, 8)])
+MAX_PPS = max(c.kwargs["PPS"] for c in _BWD_CONFIGS)
 
 
 @triton.jit
-def _angles(cos_ptr, sin_ptr, s, cs_rs, half, BLOCK_D2: tl.constexpr):
-    """Position s's cos and sin rows, fp32, as (1, BLOCK_D2) to broadcast over heads."""
+def _tokens(t0, n_tokens, seq_len, TOKENS: tl.constexpr):
+    """Tokens t0 .. t0 + TOKENS - 1 of the flattened (B, S): (batch index, position, in range).
+    Divided in int32 (B * S < 2**31; an int64 division is dozens of instructions), widened after."""
+    tok = t0 + tl.arange(0, TOKENS)
+    return (tok // seq_len).to(tl.int64), (tok % seq_len).to(tl.int64), tok < n_tokens
+
+
+@triton.jit
+def _angles(cos_ptr, sin_ptr, s, tmask, cs_rs, half, BLOCK_D2: tl.constexpr):
+    """The tokens' cos and sin rows, fp32, as (TOKENS, 1, BLOCK_D2) to broadcast over heads."""
     d = tl.arange(0, BLOCK_D2)
-    cos = tl.load(cos_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + s * cs_rs + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-    return cos, sin
+    mask = tmask[:, None] & (d < half)[None, :]
+    off = s[:, None] * cs_rs + d[None, :]
+    cos = tl.load(cos_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    return cos[:, None, :], sin[:, None, :]
 
 
 @triton.jit
-def _load_heads(x_ptr, b, s, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
-    """Token (b, s)'s heads as two fp32 halves (BLOCK_H, BLOCK_D2), and their mask."""
+def _heads(b, s, tmask, sb, ss, sh, n_heads, half, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """Offsets of the first halves of the tokens' heads (TOKENS, BLOCK_H, BLOCK_D2) for strides
+    (sb, ss, sh), and their mask."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D2)
-    mask = (h < n_heads)[:, None] & (d < half)[None, :]
-    src = x_ptr + b * x_sb + s * x_ss + h[:, None] * x_sh + d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    return x1, x2, mask
+    off = (b * sb + s * ss)[:, None, None] + (h * sh)[None, :, None] + d[None, None, :]
+    mask = tmask[:, None, None] & (h < n_heads)[None, :, None] & (d < half)[None, None, :]
+    return off, mask
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, b, s, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, cos, sin, n_heads, half,
+def _load_halves(x_ptr, off, mask, half):
+    x1 = tl.load(x_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + off + half, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _store_rotated(o_ptr, off, mask, half, x1, x2, cos, sin):
+    tl.store(o_ptr + off, (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptr + off + half, (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, b, s, tmask, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, cos, sin, n_heads, half,
                   BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
-    x1, x2, mask = _load_heads(x_ptr, b, s, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H, BLOCK_D2)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D2)
-    dst = o_ptr + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half, (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+    off, mask = _heads(b, s, tmask, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+    x1, x2 = _load_halves(x_ptr, off, mask, half)
+    o_off, _ = _heads(b, s, tmask, o_sb, o_ss, o_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+    _store_rotated(o_ptr, o_off, mask, half, x1, x2, cos, sin)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], do_bench=bench_for_autotune)
+@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], prune_configs_by={"early_config_prune": _prune},
+                 do_bench=bench_for_autotune)
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
                  q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh, cs_rs,
-                 seq_len, n_qh, n_kh, half,
-                 BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr, BACKWARD: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // seq_len
-    s = pid % seq_len
-    cos, sin = _angles(cos_ptr, sin_ptr, s, cs_rs, half, BLOCK_D2)
+                 n_tokens, seq_len, n_qh: tl.constexpr, n_kh: tl.constexpr, half: tl.constexpr,
+                 BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr, BACKWARD: tl.constexpr,
+                 TOKENS: tl.constexpr):
+    b, s, tmask = _tokens(tl.program_id(0) * TOKENS, n_tokens, seq_len, TOKENS)
+    cos, sin = _angles(cos_ptr, sin_ptr, s, tmask, cs_rs, half, BLOCK_D2)
     if BACKWARD:  # the rotation is orthogonal: its transpose is the rotation by -angle
         sin = -sin
-    _rotate_heads(q_ptr, qo_ptr, b, s, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, cos, sin, n_qh, half, BLOCK_QH, BLOCK_D2)
-    _rotate_heads(k_ptr, ko_ptr, b, s, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, cos, sin, n_kh, half, BLOCK_KH, BLOCK_D2)
+    _rotate_heads(q_ptr, qo_ptr, b, s, tmask, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, cos, sin, n_qh, half,
+                  BLOCK_QH, BLOCK_D2)
+    _rotate_heads(k_ptr, ko_ptr, b, s, tmask, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, cos, sin, n_kh, half,
+                  BLOCK_KH, BLOCK_D2)
 
 
 @triton.jit
-def _norm_rotate_heads(x_ptr, o_ptr, w_ptr, rstd_ptr, b, s, token, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh, cos, sin,
-                       n_heads, half, eps, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
-    x1, x2, mask = _load_heads(x_ptr, b, s, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+def _norm_rotate_heads(x_ptr, o_ptr, w_ptr, rstd_ptr, b, s, tok, tmask, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh,
+                       cos, sin, n_heads, half, eps, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
+    off, mask = _heads(b, s, tmask, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+    x1, x2 = _load_halves(x_ptr, off, mask, half)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D2)
-    hmask = h < n_heads
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)
-    tl.store(rstd_ptr + token * n_heads + h, rstd, mask=hmask)
-    w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-    n1 = x1 * rstd[:, None] * w1
-    n2 = x2 * rstd[:, None] * w2
-    dst = o_ptr + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
-    tl.store(dst, (n1 * cos - n2 * sin).to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half, (n2 * cos + n1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * half) + eps)  # (T, H)
+    tl.store(rstd_ptr + tok[:, None] * n_heads + h[None, :], rstd, mask=tmask[:, None] & (h < n_heads)[None, :])
+    w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, None, :]
+    w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, None, :]
+    o_off, _ = _heads(b, s, tmask, o_sb, o_ss, o_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+    _store_rotated(o_ptr, o_off, mask, half, x1 * rstd[:, :, None] * w1, x2 * rstd[:, :, None] * w2, cos, sin)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], do_bench=bench_for_autotune)
+@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], prune_configs_by={"early_config_prune": _prune},
+                 do_bench=bench_for_autotune)
 @triton.jit
 def _qk_norm_rope_fwd_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, wq_ptr, wk_ptr, rq_ptr, rk_ptr, cos_ptr, sin_ptr,
                              q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh, cs_rs,
-                             seq_len, n_qh, n_kh, half, eps,
-                             BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // seq_len
-    s = pid % seq_len
-    cos, sin = _angles(cos_ptr, sin_ptr, s, cs_rs, half, BLOCK_D2)
-    _norm_rotate_heads(q_ptr, qo_ptr, wq_ptr, rq_ptr, b, s, pid, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh, cos, sin,
-                       n_qh, half, eps, BLOCK_QH, BLOCK_D2)
-    _norm_rotate_heads(k_ptr, ko_ptr, wk_ptr, rk_ptr, b, s, pid, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh, cos, sin,
-                       n_kh, half, eps, BLOCK_KH, BLOCK_D2)
+                             n_tokens, seq_len, n_qh: tl.constexpr, n_kh: tl.constexpr, half: tl.constexpr, eps,
+                             BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr,
+                             TOKENS: tl.constexpr):
+    t0 = tl.program_id(0) * TOKENS
+    tok = t0.to(tl.int64) + tl.arange(0, TOKENS)
+    b, s, tmask = _tokens(t0, n_tokens, seq_len, TOKENS)
+    cos, sin = _angles(cos_ptr, sin_ptr, s, tmask, cs_rs, half, BLOCK_D2)
+    _norm_rotate_heads(q_ptr, qo_ptr, wq_ptr, rq_ptr, b, s, tok, tmask, q_sb, q_ss, q_sh, qo_sb, qo_ss, qo_sh,
+                       cos, sin, n_qh, half, eps, BLOCK_QH, BLOCK_D2)
+    _norm_rotate_heads(k_ptr, ko_ptr, wk_ptr, rk_ptr, b, s, tok, tmask, k_sb, k_ss, k_sh, ko_sb, ko_ss, ko_sh,
+                       cos, sin, n_kh, half, eps, BLOCK_KH, BLOCK_D2)
 
 
 @triton.jit
-def _norm_rotate_heads_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, b, s, token,
+def _norm_rotate_heads_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, b, s, tok, tmask,
                            dy_sb, dy_ss, dy_sh, x_sb, x_ss, x_sh, dx_sb, dx_ss, dx_sh, cos, sin,
                            n_heads, half, BLOCK_H: tl.constexpr, BLOCK_D2: tl.constexpr):
-    """dx for one token's heads; returns this token's contribution to dw (two halves)."""
+    """dx for the tokens' heads; returns their contribution to dw (two halves, (BLOCK_D2,) each)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D2)
-    hmask = h < n_heads
-    dy1, dy2, mask = _load_heads(dy_ptr, b, s, dy_sb, dy_ss, dy_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+    off, mask = _heads(b, s, tmask, dy_sb, dy_ss, dy_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+    dy1, dy2 = _load_halves(dy_ptr, off, mask, half)
     # undo the rotation: gradient with respect to the normalised head
     dn1 = dy1 * cos + dy2 * sin
     dn2 = dy2 * cos - dy1 * sin
-    x1, x2, _ = _load_heads(x_ptr, b, s, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H, BLOCK_D2)
-    rstd = tl.load(rstd_ptr + token * n_heads + h, mask=hmask, other=0.0)[:, None]
-    w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    off, _ = _heads(b, s, tmask, x_sb, x_ss, x_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+    x1, x2 = _load_halves(x_ptr, off, mask, half)
+    hmask = tmask[:, None] & (h < n_heads)[None, :]
+    rstd = tl.load(rstd_ptr + tok[:, None] * n_heads + h[None, :], mask=hmask, other=0.0)[:, :, None]
+    w1 = tl.load(w_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, None, :]
+    w2 = tl.load(w_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, None, :]
     xh1 = x1 * rstd
     xh2 = x2 * rstd
     wdy1 = w1 * dn1
     wdy2 = w2 * dn2
-    c = ((tl.sum(wdy1 * xh1, axis=1) + tl.sum(wdy2 * xh2, axis=1)) / (2 * half))[:, None]
-    dst = dx_ptr + b * dx_sb + s * dx_ss + h[:, None] * dx_sh + d[None, :]
-    tl.store(dst, ((wdy1 - xh1 * c) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half, ((wdy2 - xh2 * c) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
-    return tl.sum(dn1 * xh1, axis=0), tl.sum(dn2 * xh2, axis=0)
+    c = ((tl.sum(wdy1 * xh1, axis=2) + tl.sum(wdy2 * xh2, axis=2)) / (2 * half))[:, :, None]
+    off, _ = _heads(b, s, tmask, dx_sb, dx_ss, dx_sh, n_heads, half, BLOCK_H, BLOCK_D2)
+    tl.store(dx_ptr + off, ((wdy1 - xh1 * c) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + off + half, ((wdy2 - xh2 * c) * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
+    return tl.sum(tl.sum(dn1 * xh1, axis=1), axis=0), tl.sum(tl.sum(dn2 * xh2, axis=1), axis=0)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], do_bench=bench_for_autotune)
+@triton.autotune(configs=_BWD_CONFIGS, key=["n_qh", "n_kh", "half"],
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=bench_for_autotune)
 @triton.jit
 def _qk_norm_rope_bwd_kernel(dq_ptr, dk_ptr, q_ptr, k_ptr, wq_ptr, wk_ptr, rq_ptr, rk_ptr, cos_ptr, sin_ptr,
                              dxq_ptr, dxk_ptr, dwq_ptr, dwk_ptr,
                              dq_sb, dq_ss, dq_sh, dk_sb, dk_ss, dk_sh, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh,
                              dxq_sb, dxq_ss, dxq_sh, dxk_sb, dxk_ss, dxk_sh, cs_rs,
-                             n_tokens, seq_len, n_qh, n_kh, half,
-                             BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    per_program = tl.cdiv(n_tokens, tl.num_programs(0))
+                             n_tokens, seq_len, n_qh: tl.constexpr, n_kh: tl.constexpr, half: tl.constexpr,
+                             BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr,
+                             TOKENS: tl.constexpr, PPS: tl.constexpr):  # PPS: the grid's, read by the launcher
+    pid = tl.program_id(0)
+    per_program = tl.cdiv(tl.cdiv(n_tokens, TOKENS), tl.num_programs(0))
     d = tl.arange(0, BLOCK_D2)
     dwq1 = tl.zeros((BLOCK_D2,), dtype=tl.float32)
     dwq2 = tl.zeros((BLOCK_D2,), dtype=tl.float32)
     dwk1 = tl.zeros((BLOCK_D2,), dtype=tl.float32)
     dwk2 = tl.zeros((BLOCK_D2,), dtype=tl.float32)
     for i in range(0, per_program):
-        token = pid * per_program + i
-        if token < n_tokens:
-            b = token // seq_len
-            s = token % seq_len
-            cos, sin = _angles(cos_ptr, sin_ptr, s, cs_rs, half, BLOCK_D2)
-            a1, a2 = _norm_rotate_heads_bwd(dq_ptr, q_ptr, wq_ptr, rq_ptr, dxq_ptr, b, s, token,
-                                            dq_sb, dq_ss, dq_sh, q_sb, q_ss, q_sh, dxq_sb, dxq_ss, dxq_sh,
-                                            cos, sin, n_qh, half, BLOCK_QH, BLOCK_D2)
-            dwq1 += a1
-            dwq2 += a2
-            a1, a2 = _norm_rotate_heads_bwd(dk_ptr, k_ptr, wk_ptr, rk_ptr, dxk_ptr, b, s, token,
-                                            dk_sb, dk_ss, dk_sh, k_sb, k_ss, k_sh, dxk_sb, dxk_ss, dxk_sh,
-                                            cos, sin, n_kh, half, BLOCK_KH, BLOCK_D2)
-            dwk1 += a1
-            dwk2 += a2
-    row = pid * 2 * half
+        t0 = (pid * per_program + i) * TOKENS
+        tok = t0.to(tl.int64) + tl.arange(0, TOKENS)
+        b, s, tmask = _tokens(t0, n_tokens, seq_len, TOKENS)
+        cos, sin = _angles(cos_ptr, sin_ptr, s, tmask, cs_rs, half, BLOCK_D2)
+        a1, a2 = _norm_rotate_heads_bwd(dq_ptr, q_ptr, wq_ptr, rq_ptr, dxq_ptr, b, s, tok, tmask,
+                                        dq_sb, dq_ss, dq_sh, q_sb, q_ss, q_sh, dxq_sb, dxq_ss, dxq_sh,
+                                        cos, sin, n_qh, half, BLOCK_QH, BLOCK_D2)
+        dwq1 += a1
+        dwq2 += a2
+        a1, a2 = _norm_rotate_heads_bwd(dk_ptr, k_ptr, wk_ptr, rk_ptr, dxk_ptr, b, s, tok, tmask,
+                                        dk_sb, dk_ss, dk_sh, k_sb, k_ss, k_sh, dxk_sb, dxk_ss, dxk_sh,
+                                        cos, sin, n_kh, half, BLOCK_KH, BLOCK_D2)
+        dwk1 += a1
+        dwk2 += a2
+    row = pid.to(tl.int64) * 2 * half
     tl.store(dwq_ptr + row + d, dwq1, mask=d < half)
     tl.store(dwq_ptr + row + half + d, dwq2, mask=d < half)
     tl.store(dwk_ptr + row + d, dwk1, mask=d < half)
@@ -207,6 +249,10 @@ def _key(q: Tensor, k: Tensor, cos: Tensor, *more: Tensor) -> tuple:
     return (q.shape[2], k.shape[2], q.shape[3] // 2, q.dtype, k.dtype, cos.dtype, *(t.dtype for t in more))
 
 
+def _token_grid(n_tokens: int):
+    return lambda meta: (triton.cdiv(n_tokens, meta["TOKENS"]),)
+
+
 def _blocks(q: Tensor, k: Tensor) -> dict[str, int]:
     return dict(BLOCK_QH=triton.next_power_of_2(q.shape[2]), BLOCK_KH=triton.next_power_of_2(k.shape[2]),
                 BLOCK_D2=triton.next_power_of_2(q.shape[3] // 2))
@@ -218,8 +264,9 @@ def rope_apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool = 
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     B, S, Hq, D = q.shape
     if q.numel() and k.numel():
-        _rope(_key(q, k, cos), (B * S,), q, k, qo, ko, cos, sin, *_strides(q), *_strides(k), *_strides(qo),
-              *_strides(ko), cos.stride(0), S, Hq, k.shape[2], D // 2, **_blocks(q, k), BACKWARD=backward)
+        _rope(_key(q, k, cos), _token_grid(B * S), q, k, qo, ko, cos, sin, *_strides(q), *_strides(k),
+              *_strides(qo), *_strides(ko), cos.stride(0), B * S, S, Hq, k.shape[2], D // 2, **_blocks(q, k),
+              BACKWARD=backward)
     return qo, ko
 
 
@@ -235,9 +282,9 @@ def qk_norm_rope_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, c
     rq = torch.empty(B * S * Hq, dtype=torch.float32, device=q.device)
     rk = torch.empty(B * S * k.shape[2], dtype=torch.float32, device=q.device)
     if q.numel() and k.numel():
-        _qk_fwd(_key(q, k, cos, q_weight, k_weight), (B * S,),
+        _qk_fwd(_key(q, k, cos, q_weight, k_weight), _token_grid(B * S),
                 q, k, qo, ko, q_weight, k_weight, rq, rk, cos, sin, *_strides(q), *_strides(k), *_strides(qo),
-                *_strides(ko), cos.stride(0), S, Hq, k.shape[2], D // 2, eps, **_blocks(q, k))
+                *_strides(ko), cos.stride(0), B * S, S, Hq, k.shape[2], D // 2, eps, **_blocks(q, k))
     return qo, ko, rq, rk
 
 
@@ -247,15 +294,21 @@ def qk_norm_rope_bwd(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, q_weight: Ten
     dq, dk = last_dim_contiguous(dq), last_dim_contiguous(dk)
     B, S, Hq, D = q.shape
     dxq, dxk = torch.empty_like(q), torch.empty_like(k)
-    programs = programs_for(B * S, q.device)
-    dwq = torch.zeros((programs, D), dtype=torch.float32, device=q.device)
-    dwk = torch.zeros((programs, D), dtype=torch.float32, device=q.device)
-    if q.numel() and k.numel():
-        _qk_bwd(_key(q, k, cos, q_weight, k_weight, dq, dk), (programs,),
-                dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin, dxq, dxk, dwq, dwk,
-                *_strides(dq), *_strides(dk), *_strides(q), *_strides(k), *_strides(dxq), *_strides(dxk),
-                cos.stride(0), B * S, S, Hq, k.shape[2], D // 2, **_blocks(q, k))
-    return dxq, dxk, dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
+    if not (q.numel() and k.numel()):
+        return dxq, dxk, torch.zeros_like(q_weight), torch.zeros_like(k_weight)
+    # partial rows for the largest grid; the chosen grid's programs each write their row, only those are summed
+    rows = programs_for(B * S, q.device, MAX_PPS)
+    dwq = torch.empty((rows, D), dtype=torch.float32, device=q.device)
+    dwk = torch.empty((rows, D), dtype=torch.float32, device=q.device)
+    def programs(meta) -> int:  # never more programs than blocks of tokens: each writes a partial row
+        return programs_for(triton.cdiv(B * S, meta["TOKENS"]), q.device, meta["PPS"])
+
+    meta = _qk_bwd(_key(q, k, cos, q_weight, k_weight, dq, dk), lambda meta: (programs(meta),),
+                   dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin, dxq, dxk, dwq, dwk,
+                   *_strides(dq), *_strides(dk), *_strides(q), *_strides(k), *_strides(dxq), *_strides(dxk),
+                   cos.stride(0), B * S, S, Hq, k.shape[2], D // 2, **_blocks(q, k))
+    n = programs(meta)
+    return dxq, dxk, sum_partials(dwq[:n], q_weight.dtype), sum_partials(dwk[:n], k_weight.dtype)
 
 
 # --------------------------------------------------------------------------- autograd: eager and compiled

@@ -121,10 +121,12 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def programs_for(n: int, device: torch.device) -> int:
-    """Persistent-style grid for kernels that accumulate per program: 4 per SM (8 in the interpreter)."""
+def programs_for(n: int, device: torch.device, per_sm: int = 4) -> int:
+    """Persistent-style grid for kernels that accumulate per program: ``per_sm`` per SM (8 in the
+    interpreter), at most n."""
     if device.type == "cuda":
-        return max(1, min(n, 4 * sm_count(device.index if device.index is not None else torch.cuda.current_device())))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return max(1, min(n, per_sm * sm_count(index)))
     return max(1, min(n, 8))
 
 
@@ -156,12 +158,14 @@ class TunedLaunch:
         self.jit = kernel.fn
         self.chosen: dict[tuple, dict[str, Any]] = {}
 
-    def __call__(self, key: tuple, grid: Any, *args: Any, **kwargs: Any) -> None:
+    def __call__(self, key: tuple, grid: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Launch; returns the config's meta-parameters it ran with (for grids that depend on them)."""
         meta = self.chosen.get(key)
         if meta is None:
             self.kernel[grid](*args, **kwargs)
-            best = getattr(self.kernel, "best_config", None)
-            if best is not None and best.pre_hook is None:
+            best = self.kernel.best_config
+            if best.pre_hook is None:
                 self.chosen[key] = best.all_kwargs()
-            return
+            return best.all_kwargs()
         self.jit[grid(meta) if callable(grid) else grid](*args, **kwargs, **meta)
+        return meta
