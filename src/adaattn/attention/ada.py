@@ -1,0 +1,251 @@
+"""AdaAttention: a drop-in for ``nn.MultiheadAttention`` with a measured backend choice, adaptive
+precision and adaptive rank.
+
+``attn(query, key, value, attn_mask=None, key_padding_mask=None, need_weights=False,
+is_causal=False) -> (output, weights or None)``, with ``nn.MultiheadAttention``'s conventions:
+a bool mask marks positions that may NOT be attended (True = masked), a float mask is added to
+the scores; ``attn_mask`` is (L, S) or (B * heads, L, S), ``key_padding_mask`` (B, S); weights
+are averaged over heads. With equal embedding sizes and as many kv heads as heads, the
+parameters are ``nn.MultiheadAttention``'s (``in_proj_weight``, ``in_proj_bias``, ``out_proj``),
+so its ``state_dict`` loads as it is. ``num_kv_heads`` < ``num_heads`` is GQA. Unlike
+``nn.MultiheadAttention``, ``is_causal=True`` needs no mask.
+
+Per call: the precision policy (``precision.py``) picks the compute dtype; ``rank_mode`` picks
+the exact path or the Nyström low-rank path (``rank.py``; "auto" estimates the rank of the first
+call of each signature, and only unmasked attention of ``min_low_rank_len`` keys or more goes
+low-rank); the exact path goes through the kernel manager (``kernel_manager.py``), which runs
+the fastest backend measured on this machine for the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from adaattn.attention.hardware import HardwareCapabilities
+from adaattn.attention.kernel_manager import AttentionKernelManager, Signature
+from adaattn.attention.precision import PRECISION_MODES, PrecisionPolicy
+from adaattn.attention.rank import estimate_rank, nystrom_attention
+
+ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file for the shared manager's measured choices
+_shared: AttentionKernelManager | None = None
+
+
+def shared_kernel_manager() -> AttentionKernelManager:
+    """One manager for every AdaAttention that is not given its own: layers share measurements."""
+    global _shared
+    if _shared is None:
+        _shared = AttentionKernelManager(cache_path=os.environ.get(ENV_CACHE) or None)
+    return _shared
+
+
+class AdaAttention(nn.Module):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 kdim: int | None = None, vdim: int | None = None, batch_first: bool = True,
+                 num_kv_heads: int | None = None, enable_gpu_optimization: bool = True,
+                 precision_mode: str = "auto", rank_mode: str | int = "auto", rank_sample_rows: int = 64,
+                 min_low_rank_len: int = 1024, kernel_manager: AttentionKernelManager | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int; got {val!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if precision_mode not in PRECISION_MODES:
+            raise ValueError(f"precision_mode {precision_mode!r} is not one of: {', '.join(PRECISION_MODES)}")
+        if not (rank_mode in ("auto", "full") or (isinstance(rank_mode, int) and not isinstance(rank_mode, bool)
+                                                  and rank_mode >= 1)):
+            raise ValueError(f"rank_mode must be 'auto', 'full' or a positive int; got {rank_mode!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
+        self.batch_first, self.dropout = batch_first, dropout
+        kv_dim = num_kv_heads * self.head_dim
+        self._packed = self.kdim == self.vdim == embed_dim and num_kv_heads == num_heads
+        if self._packed:  # nn.MultiheadAttention's names and shapes
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(kv_dim, self.kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(kv_dim, self.vdim, **factory))
+        self.in_proj_bias = nn.Parameter(torch.empty(embed_dim + 2 * kv_dim, **factory)) if bias else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.enable_gpu_optimization = enable_gpu_optimization
+        self.precision = PrecisionPolicy(precision_mode)
+        self.rank_mode, self.rank_sample_rows, self.min_low_rank_len = rank_mode, rank_sample_rows, min_low_rank_len
+        self.kernel_manager = kernel_manager
+        self._rank_choice: dict[str, int | None] = {}  # signature -> landmarks (None: exact)
+        self._ranks: Counter[str] = Counter()
+        self._precisions: Counter[str] = Counter()
+        self._low_rank_skipped: Counter[str] = Counter()
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:  # as nn.MultiheadAttention
+        for w in (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+            if w is not None:
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def manager(self) -> AttentionKernelManager:
+        return self.kernel_manager or shared_kernel_manager()
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        E, kv = self.embed_dim, self.num_kv_heads * self.head_dim
+        b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:E + kv], b[E + kv:])
+        if self._packed:
+            wq, wk, wv = self.in_proj_weight[:E], self.in_proj_weight[E:E + kv], self.in_proj_weight[E + kv:]
+        else:
+            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        B, L, S = query.shape[0], query.shape[1], key.shape[1]
+        q = F.linear(query, wq, bq).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        k = F.linear(key, wk, bk).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = F.linear(value, wv, bv).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def _mask(self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool, B: int, L: int,
+              S: int, device) -> tuple[Tensor | None, bool]:
+        """One SDPA-style mask (bool True = may attend, or additive float) broadcastable to (B, H, L, S),
+        and whether is_causal still has to be passed (True only when no other mask exists)."""
+        masks = []
+        if attn_mask is not None:
+            if attn_mask.dim() == 2 and attn_mask.shape == (L, S):
+                m = attn_mask[None, None]
+            elif attn_mask.dim() == 3 and attn_mask.shape == (B * self.num_heads, L, S):
+                m = attn_mask.view(B, self.num_heads, L, S)
+            else:
+                raise ValueError(f"attn_mask must be (L, S) = ({L}, {S}) or (B * num_heads, L, S) = "
+                                 f"({B * self.num_heads}, {L}, {S}); got {tuple(attn_mask.shape)}")
+            masks.append(m)
+        if key_padding_mask is not None:
+            if key_padding_mask.shape != (B, S):
+                raise ValueError(f"key_padding_mask must be (B, S) = ({B}, {S}); got {tuple(key_padding_mask.shape)}")
+            masks.append(key_padding_mask[:, None, None, :])
+        if not masks:
+            return None, is_causal
+        if is_causal:
+            masks.append(torch.ones(L, S, dtype=torch.bool, device=device).triu_(1)[None, None])
+        allowed: Tensor | None = None
+        additive: Tensor | None = None
+        for m in masks:
+            if m.dtype == torch.bool:
+                allowed = ~m if allowed is None else allowed & ~m
+            elif m.is_floating_point():
+                additive = m.float() if additive is None else additive + m.float()
+            else:
+                raise TypeError(f"masks must be bool or float; got {m.dtype}")
+        if additive is None:
+            return allowed, False
+        if allowed is not None:
+            additive = additive.masked_fill(~allowed, float("-inf"))
+        return additive, False
+
+    def _rank_for(self, sig: Signature, key: str, q: Tensor, k: Tensor, masked: bool) -> int | None:
+        """Landmarks of the low-rank path for this call, or None for the exact path."""
+        if self.rank_mode == "full":
+            return None
+        if masked:
+            self._low_rank_skipped["masked or causal: the low-rank path has no mask"] += 1
+            return None
+        if isinstance(self.rank_mode, int):
+            return self.rank_mode
+        if key not in self._rank_choice:
+            r = None
+            if k.shape[2] >= self.min_low_rank_len:
+                est = estimate_rank(q, k, sample_rows=self.rank_sample_rows)["spectrum"].max().item()
+                self._ranks[f"estimated {int(est)}"] += 1
+                # a sample of m rows cannot show a rank above m: only clearly low estimates count
+                if est <= min(self.rank_sample_rows // 2, k.shape[2] // 16):
+                    r = int(2 * est)
+            self._rank_choice[key] = r
+        return self._rank_choice[key]
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                key_padding_mask: Tensor | None = None, need_weights: bool = False,
+                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError(f"query, key and value must be 3-D; got {query.dim()}, {key.dim()}, {value.dim()} dims")
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        B, L, E = query.shape
+        S = key.shape[1]
+        if E != self.embed_dim or key.shape[2] != self.kdim or value.shape[2] != self.vdim or value.shape[:2] != (B, S) \
+                or key.shape[0] != B:
+            raise ValueError(f"expected query (B, L, {self.embed_dim}), key (B, S, {self.kdim}), value (B, S, "
+                             f"{self.vdim}); got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        q, k, v = self._project(query, key, value)
+        mask, causal = self._mask(attn_mask, key_padding_mask, is_causal, B, L, S, q.device)
+        scale = 1 / math.sqrt(self.head_dim)
+        hw = HardwareCapabilities.detect(q.device)
+        mask_kind = "causal" if causal else "none" if mask is None else "mask"
+        sig = Signature.of(q, k, mask_kind)
+        key_ = sig.key()
+        dtype = self.precision.choose(q, k, v, scale, hw, key_) if self.enable_gpu_optimization or \
+            self.precision.mode != "auto" else q.dtype
+        self._precisions[str(dtype).removeprefix("torch.")] += 1
+        qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+        rank = self._rank_for(sig, key_, qc, kc, mask_kind != "none")
+        if rank is not None:
+            self._ranks[f"low-rank {rank}"] += 1
+            out = nystrom_attention(qc, kc, vc, rank, scale=scale)
+        else:
+            self._ranks["full"] += 1
+            if self.dropout and self.training:  # the manager's backends take no dropout: SDPA with it
+                out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal, scale=scale,
+                                                     dropout_p=self.dropout, enable_gqa=self.num_kv_heads != self.num_heads)
+            elif self.enable_gpu_optimization:
+                out, _ = self.manager(qc, kc, vc, mask, causal, scale)
+            else:
+                out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal, scale=scale,
+                                                     enable_gqa=self.num_kv_heads != self.num_heads)
+        out = self.out_proj(out.to(query.dtype).transpose(1, 2).reshape(B, L, E))
+        weights = self._weights(q, k, mask, causal, scale) if need_weights else None
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+    def _weights(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+        """Attention probabilities averaged over heads (B, L, S), as nn.MultiheadAttention returns them."""
+        g = self.num_heads // self.num_kv_heads
+        scores = (q.float() @ k.float().repeat_interleave(g, dim=1).transpose(-2, -1)) * scale
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril_()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0).mean(1).to(q.dtype)
+
+    def get_statistics(self) -> dict:
+        stats = self.manager.get_statistics()
+        stats.update(precisions=dict(self._precisions), escalations=list(self.precision.escalations),
+                     ranks=dict(self._ranks), low_rank_skipped=dict(self._low_rank_skipped))
+        return stats
+
+
+# The guide's names: CUDAManager -> hardware.HardwareCapabilities (also exported as CUDAManager),
+# AdaptiveFlashAttention -> AdaAttention, memory_efficient_attention -> chunked.chunked_attention,
+# fused_scaled_dot_product_attention -> kernel_manager.AttentionKernelManager (fastest correct backend,
+# with fallback).
+AdaptiveFlashAttention = AdaAttention

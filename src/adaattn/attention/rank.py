@@ -1,0 +1,84 @@
+"""Adaptive rank: estimate the effective rank of each head's attention matrix; a Nyström low-rank path.
+
+Estimate (per head, on a sample of query rows): the softmax rows P_s (m x S) of m sampled queries.
+- spectrum rank: the number of singular values of P_s holding ``energy`` of its squared
+  Frobenius norm (a randomized estimate: the rows are a random sample);
+- entropy rank: exp(mean row entropy), the number of keys a query effectively attends to.
+Rows of a rank-r attention matrix span at most r dimensions, so the spectrum rank of a sample
+bounds the matrix's from below; the policy takes the spectrum rank, and reports both.
+
+Low-rank path: Nyström with segment-mean landmarks (Xiong et al. 2021, Nyströmformer):
+softmax(Q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ K^T) V with r landmarks Q~, K~ (means of r
+contiguous segments of Q and K). Chosen over the alternatives because a drop-in module must work
+with pretrained weights and no training: Linformer-style learned projections need training, and
+a PCA projection of keys and values costs an SVD per call (O(S D^2)) and is exact only for the
+values, not for the softmax. Nyström costs O(S r D) plus an r x r pseudo-inverse, and needs
+neither. It has no causal or padding form here: with a mask, the exact path runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _sample_probs(q: Tensor, k: Tensor, rows: int, scale: float) -> Tensor:
+    """(B, Hq, m, S) softmax rows of m evenly spaced queries, fp32."""
+    idx = torch.linspace(0, q.shape[2] - 1, min(rows, q.shape[2]), device=q.device).long()
+    g = q.shape[1] // k.shape[1]
+    kk = k.detach().float().repeat_interleave(g, dim=1)
+    return torch.softmax(q.detach().float()[:, :, idx] @ kk.transpose(-2, -1) * scale, dim=-1)
+
+
+def estimate_rank(q: Tensor, k: Tensor, sample_rows: int = 64, energy: float = 0.99,
+                  scale: float | None = None) -> dict[str, Tensor]:
+    """Per head (averaged over the batch): {"spectrum": (Hq,), "entropy": (Hq,)} effective ranks, float."""
+    if not 0 < energy <= 1:
+        raise ValueError(f"energy must be in (0, 1]; got {energy}")
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    with torch.no_grad():
+        p = _sample_probs(q, k, sample_rows, scale)  # (B, H, m, S)
+        s2 = torch.linalg.svdvals(p) ** 2  # (B, H, min(m, S))
+        frac = s2.cumsum(-1) / s2.sum(-1, keepdim=True).clamp_min(1e-30)
+        spectrum = (frac < energy).sum(-1) + 1
+        entropy = -(p * p.clamp_min(1e-30).log()).sum(-1).mean(-1)
+    return {"spectrum": spectrum.float().mean(0), "entropy": entropy.exp().mean(0)}
+
+
+def _segment_means(x: Tensor, r: int) -> Tensor:
+    """(B, H, S, D) -> (B, H, r, D): means of r contiguous segments (sizes differ by at most one)."""
+    S = x.shape[2]
+    bounds = torch.linspace(0, S, r + 1, device=x.device).round().long()
+    csum = torch.nn.functional.pad(x.float().cumsum(2), (0, 0, 1, 0))
+    sums = csum[:, :, bounds[1:]] - csum[:, :, bounds[:-1]]
+    return (sums / (bounds[1:] - bounds[:-1]).clamp_min(1)[:, None].float()).to(x.dtype)
+
+
+def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | None = None,
+                      pinv_iters: int = 6) -> Tensor:
+    """Nyström approximation of softmax(q k^T * scale) v with ``rank`` landmarks; no mask.
+    q (B, Hq, L, D), k and v (B, Hkv, S, D). Math in fp32, output in q's dtype."""
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive int; got {rank!r}")
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    g = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(g, dim=1) if g > 1 else t for t in (k, v))
+    rank = min(rank, q.shape[2], k.shape[2])
+    qf, kf, vf = q.float(), k.float(), v.float()
+    ql, kl = _segment_means(qf, rank), _segment_means(kf, rank)
+    f = torch.softmax(qf @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, H, L, r)
+    a = torch.softmax(ql @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, H, r, r)
+    b = torch.softmax(ql @ kf.transpose(-2, -1) * scale, dim=-1)  # (B, H, r, S)
+    return (f @ (_pinv(a, pinv_iters) @ (b @ vf))).to(q.dtype)
+
+
+def _pinv(a: Tensor, iters: int) -> Tensor:
+    """Iterative Moore-Penrose inverse (Razavi et al. 2014, as Nyströmformer), differentiable and batched."""
+    eye = torch.eye(a.shape[-1], device=a.device, dtype=a.dtype)
+    z = a.transpose(-2, -1) / (a.abs().sum(-1).amax(-1) * a.abs().sum(-2).amax(-1))[..., None, None]
+    for _ in range(iters):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    return z

@@ -1,0 +1,284 @@
+"""AdaAttention and its parts: vs nn.MultiheadAttention and a float64 reference, kernel-manager
+choice, persistence and fallback, precision escalation, rank estimation, chunked and Nyström paths,
+argument errors."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from adaattn.attention.ada import AdaAttention
+from adaattn.attention.chunked import chunked_attention
+from adaattn.attention.hardware import HardwareCapabilities
+from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Signature
+from adaattn.attention.precision import PrecisionPolicy
+from adaattn.attention.rank import estimate_rank, nystrom_attention
+
+E, H = 48, 4
+
+
+def _pair(batch_first=True, **kw):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=batch_first)
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()  # non-zero biases: their slicing is checked too
+        mha.out_proj.bias.normal_()
+    ada = AdaAttention(E, H, batch_first=batch_first, kernel_manager=AttentionKernelManager(), **kw)
+    ada.load_state_dict(mha.state_dict())
+    return mha, ada
+
+
+def _masks(B, L, S):
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[0, -3:] = True
+    causal = torch.ones(L, S, dtype=torch.bool).triu(1)
+    float_mask = torch.randn(L, S)
+    per_head = torch.rand(B * H, L, S) < 0.2
+    return [{}, {"key_padding_mask": kpm}, {"attn_mask": causal}, {"attn_mask": causal, "key_padding_mask": kpm},
+            {"attn_mask": float_mask}, {"attn_mask": per_head}, {"attn_mask": float_mask, "key_padding_mask": kpm}]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("case", range(7))
+def test_matches_multihead_attention(batch_first, case):
+    mha, ada = _pair(batch_first, rank_mode="full")
+    B, L, S = 2, 11, 13
+    kw = _masks(B, L, S)[case]
+    q, kv = torch.randn(B, L, E), torch.randn(B, S, E)
+    if not batch_first:
+        q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+    leaves_a = [t.clone().requires_grad_() for t in (q, kv)]
+    leaves_b = [t.clone().requires_grad_() for t in (q, kv)]
+    o1, w1 = mha(leaves_a[0], leaves_a[1], leaves_a[1], need_weights=True, **kw)
+    o2, w2 = ada(leaves_b[0], leaves_b[1], leaves_b[1], need_weights=True, **kw)
+    torch.testing.assert_close(o2, o1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w2, w1, atol=1e-5, rtol=1e-5)
+    o1.square().sum().backward()
+    o2.square().sum().backward()
+    for a, b in zip(leaves_a, leaves_b, strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-4, rtol=1e-4)
+    for (n, p1), p2 in zip(mha.named_parameters(), ada.parameters(), strict=True):
+        torch.testing.assert_close(p2.grad, p1.grad, atol=1e-4, rtol=1e-4, msg=n)
+
+
+def test_is_causal_needs_no_mask():
+    mha, ada = _pair(rank_mode="full")
+    x = torch.randn(2, 9, E)
+    torch.testing.assert_close(ada(x, x, x, is_causal=True)[0],
+                               mha(x, x, x, attn_mask=torch.ones(9, 9, dtype=torch.bool).triu(1))[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_gqa_cross_attention_vs_float64(kv_heads):
+    torch.manual_seed(1)
+    ada = AdaAttention(E, H, num_kv_heads=kv_heads, kdim=20, vdim=24, rank_mode="full",
+                       kernel_manager=AttentionKernelManager())
+    B, L, S, hd = 3, 7, 19, E // H
+    q, k, v = torch.randn(B, L, E), torch.randn(B, S, 20), torch.randn(B, S, 24)
+    out, _ = ada(q, k, v)
+    d = ada.double()
+    qp = (q.double() @ d.q_proj_weight.T + d.in_proj_bias[:E]).view(B, L, H, hd).transpose(1, 2)
+    kp = (k.double() @ d.k_proj_weight.T + d.in_proj_bias[E:E + kv_heads * hd]).view(B, S, kv_heads, hd).transpose(1, 2)
+    vp = (v.double() @ d.v_proj_weight.T + d.in_proj_bias[E + kv_heads * hd:]).view(B, S, kv_heads, hd).transpose(1, 2)
+    g = H // kv_heads
+    p = torch.softmax(qp @ kp.repeat_interleave(g, 1).transpose(-2, -1) / math.sqrt(hd), -1)
+    ref = d.out_proj((p @ vp.repeat_interleave(g, 1)).transpose(1, 2).reshape(B, L, E))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- kernel manager
+
+
+def _qkv(B=2, Hq=4, Hkv=2, L=33, S=33, D=16, dtype=torch.float32):
+    torch.manual_seed(2)
+    return torch.randn(B, Hq, L, D, dtype=dtype), torch.randn(B, Hkv, S, D, dtype=dtype), \
+        torch.randn(B, Hkv, S, D, dtype=dtype)
+
+
+def _sdpa_ref(q, k, v, mask=None, causal=False):
+    g = q.shape[1] // k.shape[1]
+    mask = mask.double() if mask is not None and mask.is_floating_point() else mask
+    return F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(g, 1),
+                                          v.double().repeat_interleave(g, 1), attn_mask=mask, is_causal=causal)
+
+
+def test_every_cpu_backend_is_correct_where_it_claims_to_run():
+    q, k, v = _qkv()
+    for mask_kind, mask, causal in [("none", None, False), ("causal", None, True),
+                                    ("mask", torch.rand(2, 1, 33, 33) > 0.3, False)]:
+        sig = Signature.of(q, k, mask_kind)
+        ref = _sdpa_ref(q, k, v, mask, causal)
+        ran = []
+        for name, backend in BACKENDS.items():
+            if backend.why_not(sig) is None:
+                torch.testing.assert_close(backend.run(q, k, v, mask, causal, None).double(), ref, atol=1e-5, rtol=1e-5)
+                ran.append(name)
+        assert {"sdpa", "sdpa_math", "chunked", "math"} <= set(ran), (mask_kind, ran)
+
+
+def test_manager_measures_once_persists_and_reloads(tmp_path, monkeypatch):
+    path = tmp_path / "choices.json"
+    km = AttentionKernelManager(backends=["sdpa", "math", "chunked"], cache_path=path)
+    q, k, v = _qkv()
+    _, first = km(q, k, v)
+    _, again = km(q, k, v)
+    assert first == again and km.get_statistics()["calls"] == {first: 2}
+    saved = json.loads(path.read_text())["rankings"]
+    assert len(saved) == 1 and sorted(next(iter(saved.values()))) == ["chunked", "math", "sdpa"]
+    # a new process (manager) reads the ranking instead of measuring
+    km2 = AttentionKernelManager(backends=["sdpa", "math", "chunked"], cache_path=path)
+    monkeypatch.setattr(km2, "_measure", lambda *a: pytest.fail("measured again despite the cache"))
+    assert km2(q, k, v)[1] == first
+
+
+def test_unavailable_backend_falls_back_with_its_reason_logged_once(caplog):
+    km = AttentionKernelManager(backends=["math", "chunked"])
+    q, k, v = _qkv()
+    km.rankings[Signature.of(q, k, "none").key()] = ["math", "chunked"]
+    original = BACKENDS["math"]
+
+    def broken(*args):
+        raise RuntimeError("no kernel for these inputs")
+
+    try:
+        BACKENDS["math"] = original.__class__("math", broken, original.why_not)
+        with caplog.at_level("WARNING"):
+            for _ in range(3):
+                out, used = km(q, k, v)
+    finally:
+        BACKENDS["math"] = original
+    assert used == "chunked"
+    torch.testing.assert_close(out.double(), _sdpa_ref(q, k, v), atol=1e-5, rtol=1e-5)
+    stats = km.get_statistics()
+    assert stats["fallbacks"] == [{"backend": "math", "reason": "RuntimeError: no kernel for these inputs", "count": 3}]
+    assert sum("no kernel for these inputs" in r.message for r in caplog.records) == 1
+    # a backend made unavailable is skipped without an attempt
+    km.disabled.add("chunked")
+    assert km(q, k, v)[1] == "math"
+
+
+def test_mask_kind_excludes_backends_that_cannot_take_it():
+    q, k, v = _qkv(dtype=torch.float32)
+    sig = Signature.of(q, k, "mask")
+    reasons = dict(AttentionKernelManager().candidates(sig))
+    assert "needs CUDA" in reasons["flash_attn"]
+    assert reasons["sdpa"] is None and reasons["chunked"] is None
+    with pytest.raises(ValueError, match="mask kind"):
+        Signature.of(q, k, "padding")
+
+
+# --------------------------------------------------------------------------- precision
+
+
+def _hw(**kw):
+    base = dict(device="cuda:0", name="fake", compute_capability=(7, 0), bf16=False, fp16=True, fp8=False, tf32=False,
+                memory_bytes=0)
+    return HardwareCapabilities(**{**base, **kw})
+
+
+def test_auto_precision_by_hardware():
+    assert HardwareCapabilities.detect("cpu").default_dtype == torch.float32
+    assert _hw().default_dtype == torch.float16
+    assert _hw(compute_capability=(9, 0), bf16=True).default_dtype == torch.bfloat16
+
+
+def test_fp16_overflow_escalates_and_says_why():
+    q, k, v = _qkv()
+    policy = PrecisionPolicy("auto")
+    assert policy.choose(q, k, v, 0.25, _hw(), "small") == torch.float16
+    big = q * 300  # N(0,1) + outliers of ~N(0,300): logits past 65504
+    assert policy.choose(big, k * 300, v, 0.25, _hw(), "big") == torch.float32  # no bf16 on Volta
+    (esc,) = policy.escalations
+    assert esc["from"] == "float16" and esc["to"] == "float32" and "fp16 range" in esc["reason"]
+
+
+def test_accuracy_budget_escalates():
+    q, k, v = _qkv()
+    policy = PrecisionPolicy("auto", min_cosine=1.0)  # no bf16 result is exactly equal to fp32
+    assert policy.choose(q, k, v, 0.25, _hw(bf16=True, compute_capability=(9, 0)), "s") == torch.float32
+    assert "cosine" in policy.escalations[0]["reason"]
+    fixed = PrecisionPolicy("bf16", min_cosine=1.0)  # a fixed mode is never changed
+    assert fixed.choose(q, k, v, 0.25, _hw(bf16=True, compute_capability=(9, 0)), "s") == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- rank, chunked, Nyström
+
+
+def _low_rank_keys(B, Hh, S, D, r):
+    """Keys in r contiguous blocks of one vector each: every attention matrix has rank <= r."""
+    torch.manual_seed(3)
+    base = torch.randn(B, Hh, r, D) * 2
+    return base.repeat_interleave(S // r, dim=2)
+
+
+def test_rank_estimate_on_inputs_of_known_rank():
+    q = torch.randn(1, 2, 256, 32) * 2
+    low = estimate_rank(q, _low_rank_keys(1, 2, 256, 32, 4))
+    assert (low["spectrum"] <= 4).all()
+    full = estimate_rank(q, torch.randn(1, 2, 256, 32) * 2)
+    assert (full["spectrum"] > 16).all()
+    # entropy rank: how many keys a query attends to (not the matrix rank): all S for uniform rows
+    uniform = estimate_rank(torch.zeros(1, 2, 64, 32), torch.randn(1, 2, 256, 32))
+    torch.testing.assert_close(uniform["entropy"], torch.full((2,), 256.0), rtol=1e-4, atol=0)
+
+
+def test_nystrom_is_exact_on_block_low_rank_keys_and_chunked_is_exact():
+    q = torch.randn(1, 2, 128, 16)
+    k = _low_rank_keys(1, 2, 128, 16, 8)
+    v = torch.randn(1, 2, 128, 16)
+    ref = _sdpa_ref(q, k, v)
+    torch.testing.assert_close(nystrom_attention(q, k, v, 8, pinv_iters=20).double(), ref, atol=2e-3, rtol=2e-3)
+    q, k, v = _qkv(L=37, S=45)
+    mask = torch.rand(2, 4, 37, 45) > 0.3
+    for kw in [{}, {"is_causal": True}, {"attn_mask": mask}, {"attn_mask": torch.randn(37, 45)}]:
+        ref = _sdpa_ref(q, k, v, kw.get("attn_mask"), kw.get("is_causal", False))
+        torch.testing.assert_close(chunked_attention(q, k, v, chunk_size=8, **kw).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rank_modes_pick_the_path():
+    torch.manual_seed(4)
+    x = torch.randn(1, 1024, E)
+    for mode, expect in [("full", "full"), (16, "low-rank 16")]:
+        ada = AdaAttention(E, H, rank_mode=mode, kernel_manager=AttentionKernelManager())
+        ada(x, x, x)
+        assert ada.get_statistics()["ranks"] == {expect: 1}
+    ada = AdaAttention(E, H, rank_mode=16, kernel_manager=AttentionKernelManager())
+    ada(x, x, x, is_causal=True)  # no masked low-rank path: exact, and said so
+    stats = ada.get_statistics()
+    assert stats["ranks"] == {"full": 1} and stats["low_rank_skipped"]
+    # "auto": at initialisation, small logits make nearly uniform rows (low rank) -> Nyström; tokens
+    # 10x larger make peaked rows (high rank) -> exact
+    for scale, path in [(1, "low-rank"), (10, "full")]:
+        auto = AdaAttention(E, H, rank_mode="auto", kernel_manager=AttentionKernelManager())
+        auto(x * scale, x * scale, x * scale)
+        ranks = auto.get_statistics()["ranks"]
+        assert any(r.startswith(path) for r in ranks) and any(r.startswith("estimated") for r in ranks), ranks
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"rank_mode": 0}, "rank_mode"), ({"rank_mode": "low"}, "rank_mode"), ({"precision_mode": "fp8"}, "precision_mode"),
+    ({"num_kv_heads": 3}, "num_kv_heads"), ({"embed_dim": 50}, "divisible"), ({"dropout": 1.5}, "dropout"),
+])
+def test_bad_arguments_are_rejected(kw, match):
+    args = {"embed_dim": E, "num_heads": H, **kw}
+    with pytest.raises(ValueError, match=match):
+        AdaAttention(**args)
+
+
+def test_bad_shapes_are_rejected():
+    ada = AdaAttention(E, H, kernel_manager=AttentionKernelManager())
+    x = torch.randn(2, 5, E)
+    with pytest.raises(ValueError, match="attn_mask"):
+        ada(x, x, x, attn_mask=torch.zeros(4, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        ada(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="expected query"):
+        ada(torch.randn(2, 5, E + 1), x, x)
+    with pytest.raises(ValueError, match="backend"):
+        AttentionKernelManager(backends=["nope"])
