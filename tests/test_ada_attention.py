@@ -132,6 +132,9 @@ def test_manager_measures_once_persists_and_reloads(tmp_path, monkeypatch):
     km2 = AttentionKernelManager(backends=["sdpa", "math", "chunked"], cache_path=path)
     monkeypatch.setattr(km2, "_measure", lambda *a: pytest.fail("measured again despite the cache"))
     assert km2(q, k, v)[1] == first
+    # rankings measured under another torch version are not trusted
+    path.write_text(json.dumps({"torch": "0.0", "rankings": saved}))
+    assert AttentionKernelManager(backends=["sdpa", "math", "chunked"], cache_path=path).rankings == {}
 
 
 def test_unavailable_backend_falls_back_with_its_reason_logged_once(caplog):
@@ -282,3 +285,48 @@ def test_bad_shapes_are_rejected():
         ada(torch.randn(2, 5, E + 1), x, x)
     with pytest.raises(ValueError, match="backend"):
         AttentionKernelManager(backends=["nope"])
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1023, 64), (1, 4, 4, 256, 128)])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "mask"])
+def test_cuda_backends_are_correct_where_they_claim_to_run(shape, mask_kind):
+    B, Hq, Hkv, S, D = shape
+    torch.manual_seed(5)
+    q = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = (torch.rand(B, 1, S, S, device="cuda") > 0.3) if mask_kind == "mask" else None
+    ref = _sdpa_ref(q, k, v, mask, mask_kind == "causal")
+    sig = Signature.of(q, k, mask_kind)
+    ran, raised = [], {}
+    for name, backend in BACKENDS.items():
+        if backend.why_not(sig) is not None:
+            continue
+        try:
+            out = backend.run(q, k, v, mask, mask_kind == "causal", None)
+        except Exception as err:  # noqa: BLE001 - the manager falls back; listed below
+            raised[name] = f"{type(err).__name__}: {err}"[:200]
+            continue
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2, msg=name)
+        ran.append(name)
+    print(f"ran {ran}; raised {raised}")
+    assert "sdpa" in ran and "math" in ran and "chunked" in ran
+    if mask_kind != "mask":
+        assert set(ran) & {"sdpa_flash", "sdpa_cudnn", "flex", "sdpa_efficient"}, (ran, raised)
+
+
+@pytest.mark.gpu
+def test_ada_attention_on_cuda_auto_precision():
+    torch.manual_seed(6)
+    mha = nn.MultiheadAttention(256, 4, batch_first=True, device="cuda")
+    ada = AdaAttention(256, 4, rank_mode="full", kernel_manager=AttentionKernelManager(), device="cuda")
+    ada.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 512, 256, device="cuda")
+    for kw in [{}, {"key_padding_mask": torch.rand(2, 512, device="cuda") < 0.1}]:
+        torch.testing.assert_close(ada(x, x, x, **kw)[0], mha(x, x, x, **kw)[0], atol=3e-2, rtol=3e-2)
+    stats = ada.get_statistics()
+    assert stats["precisions"] == {"bfloat16": 2}  # Hopper / Ampere: bf16 compute from fp32 parameters
+    assert stats["total_calls"] == 2 and set(stats["calls"]) <= set(BACKENDS), stats

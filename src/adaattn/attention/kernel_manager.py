@@ -1,9 +1,13 @@
 """AttentionKernelManager: the fastest attention backend that is correct for the inputs, by measurement.
 
-For each signature (device, dtype, batch, heads, kv heads, head dim, query and key lengths
-rounded up to a power of two, mask kind, grad mode) the manager times every backend that can run
-those inputs, once, on the inputs of the first call, and keeps the ranking (in memory and, with a
-``cache_path``, in a JSON file written atomically, so the next process does not measure again).
+For each signature (hardware, dtype, batch, heads, kv heads, head dim, query and key lengths
+rounded up to a power of two, mask kind, grad mode) the manager times the forward of every
+backend that can run those inputs, once, on the inputs of the first call, and keeps the ranking
+(in memory and, with a ``cache_path``, in a JSON file written atomically, so the next process
+does not measure again; a file written under another torch version is ignored). Training
+signatures are ranked apart from inference ones but, like them, by forward time: a backend
+with a slow backward can win a training signature (a limitation, to be measured by the scaling
+study).
 Calls then go to the fastest. A backend that fails on a call falls back to the next one of the
 ranking; the reason is logged once per (backend, reason) and counted in ``get_statistics()``.
 
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from adaattn.attention.chunked import chunked_attention
+from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.providers import PROVIDERS
 from adaattn.layers.attention import _expand_kv
 
@@ -45,6 +50,7 @@ HALF = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class Signature:
     device: str  # "cpu" | "cuda"
+    hardware: str  # the device's name: a persisted ranking applies to the machine that measured it
     dtype: str
     batch: int
     heads: int
@@ -57,7 +63,7 @@ class Signature:
     square: bool  # the exact query and key lengths are equal (causal alignment differs between libraries otherwise)
 
     def key(self) -> str:
-        return "|".join(str(v) for v in (self.device, self.dtype, self.batch, self.heads, self.kv_heads, self.head_dim,
+        return "|".join(str(v) for v in (self.device, self.hardware, self.dtype, self.batch, self.heads, self.kv_heads, self.head_dim,
                                           self.q_len, self.k_len, self.mask, int(self.grad), int(self.square)))
 
     @staticmethod
@@ -65,7 +71,8 @@ class Signature:
         if mask not in MASK_KINDS:
             raise ValueError(f"mask kind {mask!r} is not one of: {', '.join(MASK_KINDS)}")
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
-        return Signature(q.device.type, str(q.dtype).removeprefix("torch."), q.shape[0], q.shape[1], k.shape[1],
+        return Signature(q.device.type, HardwareCapabilities.detect(q.device).name, str(q.dtype).removeprefix("torch."),
+                         q.shape[0], q.shape[1], k.shape[1],
                          q.shape[3], _bucket(q.shape[2]), _bucket(k.shape[2]), mask, grad, q.shape[2] == k.shape[2])
 
 
@@ -220,6 +227,10 @@ class AttentionKernelManager:
             data = json.loads(self.cache_path.read_text())
         except (OSError, json.JSONDecodeError) as err:
             log.warning("ignoring unreadable kernel choice cache %s: %s", self.cache_path, err)
+            return {}
+        if data.get("torch") != torch.__version__:
+            log.warning("ignoring kernel choice cache %s: measured under torch %s, this is %s", self.cache_path,
+                        data.get("torch"), torch.__version__)
             return {}
         return {k: v for k, v in data.get("rankings", {}).items() if all(b in BACKENDS for b in v)}
 
