@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.hardware import HardwareCapabilities
-from adaattn.attention.kernel_manager import AttentionKernelManager, Signature
+from adaattn.attention.kernel_manager import AttentionKernelManager, Signature, attention_probs
 from adaattn.attention.precision import PRECISION_MODES, PrecisionPolicy
 from adaattn.attention.rank import estimate_rank, nystrom_attention
 
@@ -229,13 +229,7 @@ class AdaAttention(nn.Module):
 
     def _weights(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
         """Attention probabilities averaged over heads (B, L, S), as nn.MultiheadAttention returns them."""
-        g = self.num_heads // self.num_kv_heads
-        scores = (q.float() @ k.float().repeat_interleave(g, dim=1).transpose(-2, -1)) * scale
-        if causal:
-            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril_()
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        return torch.softmax(scores, dim=-1).nan_to_num(0.0).mean(1).to(q.dtype)
+        return attention_probs(q.float(), k.float(), mask, causal, scale).mean(1).to(q.dtype)
 
     def get_statistics(self) -> dict:
         stats = self.manager.get_statistics()

@@ -106,17 +106,23 @@ def _sdpa_forced(backend: str) -> Run:
     return run
 
 
-def _math(q, k, v, attn_mask, is_causal, scale):
-    """matmul, softmax (fp32), matmul: any device, dtype and mask."""
-    g = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, g), _expand_kv(v, g)
+def attention_probs(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                    scale: float | None) -> Tensor:
+    """softmax(q k^T * scale + mask) in fp32, (B, Hq, L, S); SDPA's mask conventions, GQA by
+    expanding kv heads; a row with no allowed key is zeros."""
+    k = _expand_kv(k, q.shape[1] // k.shape[1])
     scores = (q @ k.transpose(-2, -1)).float() * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
     if is_causal:
         attn_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril_()
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask.float()
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype) @ v
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+
+
+def _math(q, k, v, attn_mask, is_causal, scale):
+    """matmul, softmax (fp32), matmul: any device, dtype and mask."""
+    return attention_probs(q, k, attn_mask, is_causal, scale).to(v.dtype) @ _expand_kv(v, q.shape[1] // v.shape[1])
 
 
 def _chunked(q, k, v, attn_mask, is_causal, scale):
