@@ -1,9 +1,16 @@
 """The studies. A new study is one new file plus one line in ``STUDIES``."""
 
+from adaattn_experiments.ada_modules import CPU_BASELINE, SCALING
 from adaattn_experiments.attention_backends import STUDY as ATTENTION_BACKENDS
 from adaattn_experiments.kernels import STUDY as KERNELS
+from adaattn_experiments.precision import STUDY as PRECISION
+from adaattn_experiments.rank import STUDY as RANK
 
 STUDIES = {
     ATTENTION_BACKENDS.name: ATTENTION_BACKENDS,
     KERNELS.name: KERNELS,
+    PRECISION.name: PRECISION,
+    RANK.name: RANK,
+    SCALING.name: SCALING,
+    CPU_BASELINE.name: CPU_BASELINE,
 }

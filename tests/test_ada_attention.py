@@ -252,13 +252,39 @@ def test_rank_modes_pick_the_path():
     ada(x, x, x, is_causal=True)  # no masked low-rank path: exact, and said so
     stats = ada.get_statistics()
     assert stats["ranks"] == {"full": 1} and stats["low_rank_skipped"]
-    # "auto": at initialisation, small logits make nearly uniform rows (low rank) -> Nyström; tokens
-    # 10x larger make peaked rows (high rank) -> exact
-    for scale, path in [(1, "low-rank"), (10, "full")]:
+    # "auto": at initialisation, small logits make nearly uniform rows (a low estimate), but their
+    # Nyström error on the sampled rows is too high: exact, and the reason is recorded; tokens 10x
+    # larger make peaked rows (a high estimate): exact without trying
+    for scale, tried in [(1, True), (10, False)]:
         auto = AdaAttention(E, H, rank_mode="auto", kernel_manager=AttentionKernelManager())
         auto(x * scale, x * scale, x * scale)
-        ranks = auto.get_statistics()["ranks"]
-        assert any(r.startswith(path) for r in ranks) and any(r.startswith("estimated") for r in ranks), ranks
+        stats = auto.get_statistics()
+        assert "full" in stats["ranks"] and any(r.startswith("estimated") for r in stats["ranks"]), stats["ranks"]
+        assert any("sampled rows' relative error" in k for k in stats["low_rank_skipped"]) == tried, stats
+
+
+def _clustered(S: int, r: int, contiguous: bool, seed: int = 0) -> torch.Tensor:
+    centres = torch.randn(r, 32, generator=torch.Generator().manual_seed(0))  # shared by q and k
+    g = torch.Generator().manual_seed(seed)
+    which = torch.arange(S) * r // S if contiguous else torch.randint(0, r, (S,), generator=g)
+    return (centres[which] + 0.05 * torch.randn(S, 32, generator=g))[None, None]
+
+
+def test_rank_policy_takes_low_rank_only_when_its_sampled_error_is_small():
+    """Rank-8 attention either way; segment-mean landmarks fit contiguous clusters, not spread ones."""
+    from adaattn.attention.rank import choose_rank
+
+    v = torch.randn(1, 1, 1024, 32)
+    q, k = _clustered(1024, 8, True, 1), _clustered(1024, 8, True, 2)
+    r, seen = choose_rank(q, k, v, sample=64, min_len=512)
+    assert seen["estimate"] == 8 and r == 16 and seen["sample_rel_error"] < 0.05
+    torch.testing.assert_close(nystrom_attention(q, k, v, r), _sdpa_ref(q, k, v).float(), atol=2e-2, rtol=0)
+    q, k = _clustered(1024, 8, False, 1), _clustered(1024, 8, False, 2)
+    r, seen = choose_rank(q, k, v, sample=64, min_len=512)
+    assert seen["estimate"] == 8 and seen["tried"] == 16 and r is None and seen["sample_rel_error"] > 0.05
+    # shorter than min_len: no estimate at all
+    assert choose_rank(q[:, :, :256], k[:, :, :256], v[:, :, :256], min_len=512) == (
+        None, {"estimate": None, "tried": None, "sample_rel_error": None})
 
 
 # --------------------------------------------------------------------------- bad arguments

@@ -199,6 +199,163 @@ class G4T1Section(ByProfile):
     gpu: G4T1Sweep
 
 
+# ---------------------------------------------------------------------- G2: the AdaAttention studies
+
+# Whole attention modules (projections + attention + output projection), compared in
+# G2-T1 (cpu_baseline) and G2-B (scaling); ``direct:<backend>`` is the same module calling one of
+# the kernel manager's backends itself (no manager, no precision policy).
+MODULE_PROVIDERS = ("mha", "standard", "adaattn", "adaattn_auto", "adaattn_noopt")
+
+
+def _module_provider_names() -> tuple[str, ...]:
+    from adaattn.attention.kernel_manager import BACKENDS  # lazy: the manager imports the layers
+
+    return (*MODULE_PROVIDERS, *(f"direct:{b}" for b in BACKENDS))
+
+
+def _backend_names() -> tuple[str, ...]:
+    from adaattn.attention.kernel_manager import BACKENDS
+
+    return tuple(BACKENDS)
+
+
+def _check_names(v: list[str], allowed: tuple[str, ...], what: str) -> list[str]:
+    unknown = [p for p in v if p not in allowed]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; allowed: {', '.join(allowed)}")
+    if len(set(v)) != len(v):
+        raise ValueError(f"{what} must not repeat")
+    return v
+
+
+class _ModuleCommon(_Section):
+    embed_dim: PositiveInt
+    heads: PositiveInt
+    dtype: DType
+    modes: Annotated[list[Mode], Field(min_length=1)]
+    providers: Annotated[list[str], Field(min_length=1)]
+    # the kernel manager's candidates for adaattn / adaattn_auto (each is measured once per signature)
+    manager_backends: Annotated[list[str], Field(min_length=1)]
+
+    @field_validator("heads")
+    @classmethod
+    def _heads_divide(cls, v: int, info) -> int:
+        e = info.data.get("embed_dim")
+        if e is not None and e % v:
+            raise ValueError(f"heads={v} must divide embed_dim={e}")
+        return v
+
+    @field_validator("providers")
+    @classmethod
+    def _providers(cls, v: list[str]) -> list[str]:
+        return _check_names(v, _module_provider_names(), "module provider(s)")
+
+    @field_validator("manager_backends")
+    @classmethod
+    def _backends(cls, v: list[str]) -> list[str]:
+        return _check_names(v, _backend_names(), "attention backend(s)")
+
+
+class G2T1Point(_ModuleCommon):
+    """The guide's CPU points B4_S128, B4_S512, B1_S1024 (embed 512, 8 heads: the guide's examples)."""
+
+    points: Annotated[list[tuple[PositiveInt, PositiveInt]], Field(min_length=1)]  # (batch, seq_len)
+
+
+class G2T1Section(_Section):
+    cpu: G2T1Point  # a CPU table: no GPU profile
+
+
+class G2BSweep(_ModuleCommon):
+    """Batch sweep at one sequence length, sequence sweep at one batch (up to 16K tokens)."""
+
+    batch_sweep_seq_len: PositiveInt
+    batches: Annotated[list[PositiveInt], Field(min_length=1)]
+    seq_sweep_batch: PositiveInt
+    seq_lens: Annotated[list[PositiveInt], Field(min_length=1)]
+    causal: Annotated[list[bool], Field(min_length=1)]
+    utilization_s: float = Field(0.5, ge=0)  # NVML utilization over this many seconds of calls; 0: none
+    utilization_providers: list[str] = []  # which providers it is sampled for (it costs the time above)
+
+    @field_validator("utilization_providers")
+    @classmethod
+    def _util(cls, v: list[str]) -> list[str]:
+        return _check_names(v, _module_provider_names(), "utilization provider(s)")
+
+
+class G2BSection(ByProfile):
+    cpu: G2BSweep
+    gpu: G2BSweep
+
+
+Precision = Literal["fp32", "tf32", "fp16", "bf16"]
+
+
+class G2T3Point(_Section):
+    """Precision of the attention op and of AdaAttention in a transformer block, vs float64."""
+
+    batch: PositiveInt
+    seq_len: PositiveInt
+    embed_dim: PositiveInt
+    heads: PositiveInt
+    ops: Annotated[list[Literal["attention", "block"]], Field(min_length=1)]
+    inputs: Annotated[list[Literal["normal", "outliers"]], Field(min_length=1)]
+    outlier_prob: float = Field(0.001, gt=0, lt=1)  # N(0,1) + N(0, outlier_std^2) x Bernoulli(outlier_prob)
+    outlier_std: float = Field(10.0, gt=0)
+    precisions: Annotated[list[Precision], Field(min_length=1)]
+    modes: Annotated[list[Mode], Field(min_length=1)]
+
+    @field_validator("heads")
+    @classmethod
+    def _heads_divide(cls, v: int, info) -> int:
+        e = info.data.get("embed_dim")
+        if e is not None and e % v:
+            raise ValueError(f"heads={v} must divide embed_dim={e}")
+        return v
+
+    @field_validator("precisions")
+    @classmethod
+    def _fp32_first(cls, v: list[str]) -> list[str]:
+        if "fp32" not in v:
+            raise ValueError("precisions must include fp32 (every ratio is vs fp32)")
+        return _check_names(v, ("fp32", "tf32", "fp16", "bf16"), "precision(s)")
+
+
+class G2T3Section(ByProfile):
+    cpu: G2T3Point
+    gpu: G2T3Point
+
+
+class G2C1Rank(_Section):
+    """Adaptive rank: Nyström error and speed by rank and sequence length; the rank estimators."""
+
+    batch: PositiveInt
+    heads: PositiveInt
+    head_dim: PositiveInt
+    seq_lens: Annotated[list[PositiveInt], Field(min_length=1)]
+    dtype: DType
+    ranks: Annotated[list[PositiveInt], Field(min_length=1)]  # Nyström landmarks
+    true_ranks: Annotated[list[PositiveInt], Field(min_length=1)]  # clustered inputs of known rank
+    cluster_noise: float = Field(0.05, ge=0)  # std of each token around its cluster centre
+    # where a cluster's tokens sit: spread uniformly over the sequence, or one contiguous run each
+    cluster_layouts: Annotated[list[Literal["spread", "contiguous"]], Field(min_length=1)]
+    random_inputs: bool = True  # also N(0, 1) q and k (no low-rank structure)
+    exact_providers: Annotated[list[str], Field(min_length=1)]  # exact backends timed beside the low-rank path
+    error_tolerance: float = Field(0.05, gt=0)  # the oracle rank: fewest landmarks with rel_l2 below this
+    sample_rows: PositiveInt = 64  # AdaAttention's rank_sample_rows (the policy's sample)
+    full_spectrum_max_len: PositiveInt = 4096  # the full-matrix effective rank up to this length
+
+    @field_validator("exact_providers")
+    @classmethod
+    def _exact(cls, v: list[str]) -> list[str]:
+        return _check_names(v, _backend_names(), "exact backend(s)")
+
+
+class G2C1Section(ByProfile):
+    cpu: G2C1Rank
+    gpu: G2C1Rank
+
+
 class Params(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -208,6 +365,10 @@ class Params(BaseModel):
     g1_t1: G1T1Section = Field(alias="G1-T1")
     g4_t2: G4T2Section = Field(alias="G4-T2")
     g4_t1: G4T1Section = Field(alias="G4-T1")
+    g2_t1: G2T1Section = Field(alias="G2-T1")
+    g2_t3: G2T3Section = Field(alias="G2-T3")
+    g2_b: G2BSection = Field(alias="G2-B")
+    g2_c1: G2C1Section = Field(alias="G2-C1")
     study_targets: dict[str, dict[str, Profile]] = {}
 
     @field_validator("study_targets")

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import AttentionKernelManager, Signature, attention_probs
 from adaattn.attention.precision import PRECISION_MODES, PrecisionPolicy
-from adaattn.attention.rank import estimate_rank, nystrom_attention
+from adaattn.attention.rank import choose_rank, nystrom_attention
 
 ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file for the shared manager's measured choices
 _shared: AttentionKernelManager | None = None
@@ -49,7 +49,7 @@ class AdaAttention(nn.Module):
                  kdim: int | None = None, vdim: int | None = None, batch_first: bool = True,
                  num_kv_heads: int | None = None, enable_gpu_optimization: bool = True,
                  precision_mode: str = "auto", rank_mode: str | int = "auto", rank_sample_rows: int = 64,
-                 min_low_rank_len: int = 1024, kernel_manager: AttentionKernelManager | None = None,
+                 min_low_rank_len: int = 1024, max_rank_error: float = 0.05, kernel_manager: AttentionKernelManager | None = None,
                  device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -89,10 +89,13 @@ class AdaAttention(nn.Module):
         self.enable_gpu_optimization = enable_gpu_optimization
         self.precision = PrecisionPolicy(precision_mode)
         self.rank_mode, self.rank_sample_rows, self.min_low_rank_len = rank_mode, rank_sample_rows, min_low_rank_len
+        if not max_rank_error > 0:
+            raise ValueError(f"max_rank_error must be > 0; got {max_rank_error}")
+        self.max_rank_error = max_rank_error
         self.kernel_manager = kernel_manager
         self._rank_choice: dict[str, int | None] = {}  # signature -> landmarks (None: exact)
         self._ranks: Counter[str] = Counter()
-        self._precisions: Counter[str] = Counter()
+        self._precisions: Counter[torch.dtype] = Counter()
         self._low_rank_skipped: Counter[str] = Counter()
         self._reset_parameters()
 
@@ -111,6 +114,11 @@ class AdaAttention(nn.Module):
         return self.kernel_manager or shared_kernel_manager()
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, heads, L, D) q and (B, kv heads, S, D) k, v; self-attention with packed weights is one GEMM."""
+        if self._packed and query is key and key is value:
+            B, L = query.shape[:2]
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).view(B, L, 3, self.num_heads, self.head_dim)
+            return qkv.permute(2, 0, 3, 1, 4).unbind(0)
         E, kv = self.embed_dim, self.num_kv_heads * self.head_dim
         b = self.in_proj_bias
         bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:E + kv], b[E + kv:])
@@ -161,7 +169,7 @@ class AdaAttention(nn.Module):
             additive = additive.masked_fill(~allowed, float("-inf"))
         return additive, False
 
-    def _rank_for(self, sig: Signature, key: str, q: Tensor, k: Tensor, masked: bool) -> int | None:
+    def _rank_for(self, key: str, q: Tensor, k: Tensor, v: Tensor, masked: bool) -> int | None:
         """Landmarks of the low-rank path for this call, or None for the exact path."""
         if self.rank_mode == "full":
             return None
@@ -171,13 +179,13 @@ class AdaAttention(nn.Module):
         if isinstance(self.rank_mode, int):
             return self.rank_mode
         if key not in self._rank_choice:
-            r = None
-            if k.shape[2] >= self.min_low_rank_len:
-                est = estimate_rank(q, k, sample_rows=self.rank_sample_rows)["spectrum"].max().item()
-                self._ranks[f"estimated {int(est)}"] += 1
-                # a sample of m rows cannot show a rank above m: only clearly low estimates count
-                if est <= min(self.rank_sample_rows // 2, k.shape[2] // 16):
-                    r = int(2 * est)
+            r, seen = choose_rank(q, k, v, sample=self.rank_sample_rows, min_len=self.min_low_rank_len,
+                                  max_rel_error=self.max_rank_error)
+            if seen["estimate"] is not None:
+                self._ranks[f"estimated {seen['estimate']}"] += 1
+            if seen["tried"] is not None and r is None:
+                self._low_rank_skipped[f"{seen['tried']} landmarks: sampled rows' relative error "
+                                       f"{seen['sample_rel_error']:.3g} > {self.max_rank_error}"] += 1
             self._rank_choice[key] = r
         return self._rank_choice[key]
 
@@ -205,9 +213,9 @@ class AdaAttention(nn.Module):
         key_ = sig.key()
         dtype = self.precision.choose(q, k, v, scale, hw, key_) if self.enable_gpu_optimization or \
             self.precision.mode != "auto" else q.dtype
-        self._precisions[str(dtype).removeprefix("torch.")] += 1
-        qc, kc, vc = (t.to(dtype) for t in (q, k, v))
-        rank = self._rank_for(sig, key_, qc, kc, mask_kind != "none")
+        self._precisions[dtype] += 1
+        qc, kc, vc = (q, k, v) if q.dtype == dtype else (t.to(dtype) for t in (q, k, v))
+        rank = self._rank_for(key_, qc, kc, vc, mask_kind != "none")
         if rank is not None:
             self._ranks[f"low-rank {rank}"] += 1
             out = nystrom_attention(qc, kc, vc, rank, scale=scale)
@@ -217,11 +225,12 @@ class AdaAttention(nn.Module):
                 out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal, scale=scale,
                                                      dropout_p=self.dropout, enable_gqa=self.num_kv_heads != self.num_heads)
             elif self.enable_gpu_optimization:
-                out, _ = self.manager(qc, kc, vc, mask, causal, scale)
+                out, _ = self.manager(qc, kc, vc, mask, causal, scale, sig=sig if qc is q else None)
             else:
                 out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal, scale=scale,
                                                      enable_gqa=self.num_kv_heads != self.num_heads)
-        out = self.out_proj(out.to(query.dtype).transpose(1, 2).reshape(B, L, E))
+        out = out if out.dtype == query.dtype else out.to(query.dtype)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, E))
         weights = self._weights(q, k, mask, causal, scale) if need_weights else None
         if not self.batch_first:
             out = out.transpose(0, 1)
@@ -233,7 +242,8 @@ class AdaAttention(nn.Module):
 
     def get_statistics(self) -> dict:
         stats = self.manager.get_statistics()
-        stats.update(precisions=dict(self._precisions), escalations=list(self.precision.escalations),
+        stats.update(precisions={str(d).removeprefix("torch."): n for d, n in self._precisions.items()},
+                     escalations=list(self.precision.escalations),
                      ranks=dict(self._ranks), low_rank_skipped=dict(self._low_rank_skipped))
         return stats
 

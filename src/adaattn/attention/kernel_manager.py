@@ -63,6 +63,10 @@ class Signature:
     square: bool  # the exact query and key lengths are equal (causal alignment differs between libraries otherwise)
 
     def key(self) -> str:
+        return self._key
+
+    @functools.cached_property
+    def _key(self) -> str:  # once per signature: Signature.of returns cached instances
         return "|".join(str(v) for v in (self.device, self.hardware, self.dtype, self.batch, self.heads, self.kv_heads, self.head_dim,
                                           self.q_len, self.k_len, self.mask, int(self.grad), int(self.square)))
 
@@ -70,10 +74,17 @@ class Signature:
     def of(q: Tensor, k: Tensor, mask: str) -> Signature:
         if mask not in MASK_KINDS:
             raise ValueError(f"mask kind {mask!r} is not one of: {', '.join(MASK_KINDS)}")
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
-        return Signature(q.device.type, HardwareCapabilities.detect(q.device).name, str(q.dtype).removeprefix("torch."),
-                         q.shape[0], q.shape[1], k.shape[1],
-                         q.shape[3], _bucket(q.shape[2]), _bucket(k.shape[2]), mask, grad, q.shape[2] == k.shape[2])
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        return _signature(q.device, q.dtype, tuple(q.shape), tuple(k.shape), mask, grad)
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature(device: torch.device, dtype: torch.dtype, q_shape: tuple[int, ...], k_shape: tuple[int, ...], mask: str,
+               grad: bool) -> Signature:
+    """Built once per distinct call (a hot path: every AdaAttention call needs one)."""
+    return Signature(device.type, HardwareCapabilities.detect(device).name, str(dtype).removeprefix("torch."),
+                     q_shape[0], q_shape[1], k_shape[1], q_shape[3], _bucket(q_shape[2]), _bucket(k_shape[2]), mask,
+                     grad, q_shape[2] == k_shape[2])
 
 
 def _bucket(n: int) -> int:
@@ -268,7 +279,7 @@ class AttentionKernelManager:
             ranked = self._measure(sig, q, k, v, attn_mask, is_causal, scale)
             self.rankings[key] = ranked
             self._save()
-        return [b for b in ranked if b not in self.disabled]
+        return [b for b in ranked if b not in self.disabled] if self.disabled else ranked
 
     def _measure(self, sig, q, k, v, attn_mask, is_causal, scale) -> list[str]:
         times: dict[str, float] = {}
@@ -303,10 +314,11 @@ class AttentionKernelManager:
         self.fallbacks[(name, reason)] += 1
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
-                 scale: float | None = None) -> tuple[Tensor, str]:
-        """Attention through the fastest backend that runs; returns (output, backend name)."""
-        mask = "causal" if is_causal else "none" if attn_mask is None else "mask"
-        sig = Signature.of(q, k, mask)
+                 scale: float | None = None, sig: Signature | None = None) -> tuple[Tensor, str]:
+        """Attention through the fastest backend that runs; returns (output, backend name). ``sig``: the
+        caller's ``Signature.of(q, k, mask kind)``, when it has it."""
+        if sig is None:
+            sig = Signature.of(q, k, "causal" if is_causal else "none" if attn_mask is None else "mask")
         for name in self.ranking(sig, q, k, v, attn_mask, is_causal, scale):
             try:
                 out = BACKENDS[name].run(q, k, v, attn_mask, is_causal, scale)

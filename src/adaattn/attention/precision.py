@@ -64,7 +64,8 @@ class PrecisionPolicy:
 
     def choose(self, q: Tensor, k: Tensor, v: Tensor, scale: float, hw: HardwareCapabilities, sig: str) -> torch.dtype:
         """The compute dtype for this call (q, k, v in any float dtype, (B, H, L, D) layout)."""
-        dtype, calls = self._checked.get(sig, (self.base_dtype(hw), 0))
+        seen = self._checked.get(sig)
+        dtype, calls = seen if seen is not None else (self.base_dtype(hw), 0)
         if self.mode != "auto" or dtype == torch.float32:
             self._checked[sig] = (dtype, calls + 1)
             return dtype

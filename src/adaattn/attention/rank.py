@@ -14,6 +14,13 @@ with pretrained weights and no training: Linformer-style learned projections nee
 a PCA projection of keys and values costs an SVD per call (O(S D^2)) and is exact only for the
 values, not for the softmax. Nyström costs O(S r D) plus an r x r pseudo-inverse, and needs
 neither. It has no causal or padding form here: with a mask, the exact path runs.
+
+Policy (``choose_rank``, what ``rank_mode="auto"`` runs on the first call of a signature): the
+sampled spectrum rank r_est of every head; if the largest is clearly low (at most half the
+sample and at most S/16), 2 r_est landmarks are tried on the sampled query rows, and taken only
+when their relative L2 error against exact attention of those rows is within ``max_rel_error``.
+Segment-mean landmarks summarise contiguous tokens: a matrix of low rank whose structure is not
+contiguous in the sequence (clustered tokens spread over it) can fail the check and stay exact.
 """
 
 from __future__ import annotations
@@ -24,9 +31,14 @@ import torch
 from torch import Tensor
 
 
+def sample_rows(n: int, rows: int, device) -> Tensor:
+    """Indices of up to ``rows`` evenly spaced query rows out of ``n``."""
+    return torch.linspace(0, n - 1, min(rows, n), device=device).long()
+
+
 def _sample_probs(q: Tensor, k: Tensor, rows: int, scale: float) -> Tensor:
     """(B, Hq, m, S) softmax rows of m evenly spaced queries, fp32."""
-    idx = torch.linspace(0, q.shape[2] - 1, min(rows, q.shape[2]), device=q.device).long()
+    idx = sample_rows(q.shape[2], rows, q.device)
     g = q.shape[1] // k.shape[1]
     kk = k.detach().float().repeat_interleave(g, dim=1)
     return torch.softmax(q.detach().float()[:, :, idx] @ kk.transpose(-2, -1) * scale, dim=-1)
@@ -57,9 +69,10 @@ def _segment_means(x: Tensor, r: int) -> Tensor:
 
 
 def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | None = None,
-                      pinv_iters: int = 6) -> Tensor:
+                      pinv_iters: int = 6, rows: Tensor | None = None) -> Tensor:
     """Nyström approximation of softmax(q k^T * scale) v with ``rank`` landmarks; no mask.
-    q (B, Hq, L, D), k and v (B, Hkv, S, D). Math in fp32, output in q's dtype."""
+    q (B, Hq, L, D), k and v (B, Hkv, S, D). Math in fp32, output in q's dtype. ``rows``: only
+    these query rows of the output (the landmarks still come from every row)."""
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int; got {rank!r}")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -68,7 +81,8 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float |
     rank = min(rank, q.shape[2], k.shape[2])
     qf, kf, vf = q.float(), k.float(), v.float()
     ql, kl = _segment_means(qf, rank), _segment_means(kf, rank)
-    f = torch.softmax(qf @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, H, L, r)
+    qr = qf if rows is None else qf[:, :, rows]
+    f = torch.softmax(qr @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, H, L, r)
     a = torch.softmax(ql @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, H, r, r)
     b = torch.softmax(ql @ kf.transpose(-2, -1) * scale, dim=-1)  # (B, H, r, S)
     return (f @ (_pinv(a, pinv_iters) @ (b @ vf))).to(q.dtype)
@@ -82,3 +96,28 @@ def _pinv(a: Tensor, iters: int) -> Tensor:
         az = a @ z
         z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
     return z
+
+
+def choose_rank(q: Tensor, k: Tensor, v: Tensor, sample: int = 64, min_len: int = 1024,
+                max_rel_error: float = 0.05, scale: float | None = None) -> tuple[int | None, dict]:
+    """The policy: (landmarks, or None for the exact path; what it saw). See the module docstring."""
+    seen: dict = {"estimate": None, "tried": None, "sample_rel_error": None}
+    if k.shape[2] < min_len:
+        return None, seen
+    est = int(estimate_rank(q, k, sample_rows=sample, scale=scale)["spectrum"].max().item())
+    seen["estimate"] = est
+    # a sample of m rows cannot show a rank above m: only clearly low estimates count
+    if est > min(sample // 2, k.shape[2] // 16):
+        return None, seen
+    r = 2 * est
+    seen["tried"] = r
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    with torch.no_grad():
+        idx = sample_rows(q.shape[2], sample, q.device)
+        g = q.shape[1] // k.shape[1]
+        kk, vv = (t.detach().float().repeat_interleave(g, dim=1) for t in (k, v))
+        exact = torch.softmax(q.detach().float()[:, :, idx] @ kk.transpose(-2, -1) * scale, dim=-1) @ vv
+        approx = nystrom_attention(q.detach(), k.detach(), v.detach(), r, scale=scale, rows=idx).float()
+        err = (torch.linalg.vector_norm(approx - exact) / torch.linalg.vector_norm(exact).clamp_min(1e-30)).item()
+    seen["sample_rel_error"] = err
+    return (r if err <= max_rel_error else None), seen

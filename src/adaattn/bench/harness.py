@@ -22,7 +22,7 @@ from torch import Tensor
 from adaattn.bench.accuracy import accuracy
 from adaattn.bench.memory import profiled_call
 from adaattn.bench.roofline import Ceilings, gbps, mode_bytes, mode_flops, tflops
-from adaattn.bench.timing import host_time_ms, kernel_time_ms
+from adaattn.bench.timing import gpu_utilization, host_time_ms, kernel_time_ms
 from adaattn.errors import Unsupported
 
 
@@ -86,6 +86,8 @@ class Harness:
     ceilings: Ceilings
     host_calls: int = 0  # > 0: also time the host side of this many back-to-back calls (CUDA only)
     kernel_calls: int = 0  # > 0: also sum the kernel time of each of this many calls (CUDA only)
+    utilization_s: float = 0.0  # > 0: NVML GPU utilization over this many seconds of calls (CUDA only)
+    utilization_providers: tuple[str, ...] = ()  # ... of these providers
     rows: list[dict] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # where the run's wall time went
     _refs: dict[str, Tensor | None] = field(default_factory=dict)
@@ -99,11 +101,12 @@ class Harness:
             self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + time.perf_counter() - start
 
     def _row(self, case: Case, provider: str, mode: str, metric: str, value: float | None, *, unit: str = "",
-             p20: float | None = None, p80: float | None = None, status: str = "ok", reason: str = "",
-             kernel: str = "") -> None:
+             p20: float | None = None, p80: float | None = None, mean: float | None = None,
+             std: float | None = None, status: str = "ok", reason: str = "", kernel: str = "") -> None:
         self.rows.append({
             "table_id": case.table_id, "case_id": case.case_id, "provider": provider, "mode": mode,
-            "metric": metric, "value": value, "p20": p20, "p80": p80, "unit": unit, "status": status,
+            "metric": metric, "value": value, "p20": p20, "p80": p80, "mean": mean, "std": std, "unit": unit,
+            "status": status,
             "reason": reason, "kernel": kernel, **case.config,
         })
 
@@ -210,10 +213,23 @@ class Harness:
             if self.kernel_calls and self.device == "cuda":
                 with self._phase("kernel time (profiler)"):
                     kernel_t = kernel_time_ms(thunk, self.kernel_calls, clear)
+            util: float | str | None = None
+            if self.utilization_s and self.device == "cuda" and provider in self.utilization_providers:
+                with self._phase("GPU utilization (NVML)"):
+                    try:
+                        util = gpu_utilization(thunk, self.utilization_s, clear)
+                    except Exception as err:  # noqa: BLE001 - no NVML: a status row says why
+                        util = f"{type(err).__name__}: {err}"
             with self._phase("peak memory + kernel names (profiler)"):
                 profiled = profiled_call(thunk, self.device)
         common = dict(kernel=profiled.kernels)
-        self._row(case, provider, mode, "time_ms", t.p50, p20=t.p20, p80=t.p80, unit="ms", **common)
+        self._row(case, provider, mode, "time_ms", t.p50, p20=t.p20, p80=t.p80, mean=t.mean, std=t.std, unit="ms",
+                  **common)
+        if isinstance(util, float):
+            self._row(case, provider, mode, "gpu_util_pct", util, unit=f"% (NVML, {self.utilization_s:g} s of calls)",
+                      **common)
+        elif isinstance(util, str):
+            self._row(case, provider, mode, "gpu_util_pct", None, status="error", reason=util[:300], **common)
         if host_ms is not None:
             self._row(case, provider, mode, "host_ms", host_ms, unit="ms of host time per call, no sync", **common)
         if self.kernel_calls and self.device == "cuda":

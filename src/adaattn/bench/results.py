@@ -1,7 +1,7 @@
 """Results: one tidy long table per (study, hardware target), written atomically.
 
 One row per (case, provider, mode, metric). Distribution metrics (times) carry p20/p50/p80 with
-``value`` = p50; scalar metrics carry ``value`` only. A case that did not run is one row with
+``value`` = p50 (and the mean and standard deviation of the samples); scalar metrics carry ``value`` only. A case that did not run is one row with
 ``status`` (unavailable / unsupported / oom / error) and the ``reason``.
 """
 
@@ -16,7 +16,7 @@ import pandas as pd
 from adaattn.bench.provenance import PROVENANCE_COLUMNS
 
 ROW_COLUMNS = (
-    "study", "table_id", "case_id", "provider", "mode", "metric", "value", "p20", "p80", "unit",
+    "study", "table_id", "case_id", "provider", "mode", "metric", "value", "p20", "p80", "mean", "std", "unit",
     "status", "reason", "kernel",
 )
 STATUSES = ("ok", "unavailable", "unsupported", "oom", "error")

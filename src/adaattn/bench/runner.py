@@ -95,7 +95,8 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
     timer = make_timer(target.device, params.bench)
     console.print(f"[bold]{study.name}[/] on target [bold]{target_name}[/]: measuring machine ceilings")
     harness = Harness(target.device, timer, measure_ceilings(target.device, timer),
-                      host_calls=getattr(study, "host_calls", 0), kernel_calls=getattr(study, "kernel_calls", 0))
+                      host_calls=getattr(study, "host_calls", 0), kernel_calls=getattr(study, "kernel_calls", 0),
+                      **(study.utilization(params, target) if hasattr(study, "utilization") else {}))
     console.print(f"  copy {harness.ceilings.copy_gbps:.0f} GB/s, {harness.ceilings.gemm_dtype} GEMM "
                   f"{harness.ceilings.gemm_tflops:.1f} TFLOP/s")
     total = sum(len(c.providers) for c in cases)

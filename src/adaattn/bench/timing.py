@@ -24,14 +24,18 @@ class Quantiles:
     p50: float
     p80: float
     n: int  # number of timed repeats behind the quantiles
+    mean: float = float("nan")
+    std: float = float("nan")  # sample standard deviation (ddof=1); nan for one sample
 
 
 def quantiles(samples: Sequence[float]) -> Quantiles:
-    """p20/p50/p80 with linear interpolation (numpy's default), as triton's do_bench."""
+    """p20/p50/p80 with linear interpolation (numpy's default), as triton's do_bench; mean and std."""
     if len(samples) == 0:
         raise ValueError("no samples to take quantiles of")
-    p20, p50, p80 = np.quantile(np.asarray(samples, dtype=np.float64), QUANTILES)
-    return Quantiles(float(p20), float(p50), float(p80), len(samples))
+    a = np.asarray(samples, dtype=np.float64)
+    p20, p50, p80 = np.quantile(a, QUANTILES)
+    std = float(a.std(ddof=1)) if len(a) > 1 else float("nan")
+    return Quantiles(float(p20), float(p50), float(p80), len(samples), float(a.mean()), std)
 
 
 class CudaTimer:
@@ -162,6 +166,22 @@ def kernel_time_ms(fn: Callable[[], object], calls: int,
                if e.device_type() == torch.autograd.DeviceType.CUDA]
     sums = per_call_kernel_ms(kernels, calls)
     return quantiles(sums) if sums else None
+
+
+def gpu_utilization(fn: Callable[[], object], seconds: float,
+                    grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
+    """NVML's GPU utilization (% of its last sample period, 1/6 to 1 s, in which a kernel ran) read
+    while calls of ``fn`` run back to back for ``seconds``: the period it covers is all calls.
+    Raises (ModuleNotFoundError without nvidia-ml-py) rather than guessing."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for t in grad_to_none or []:
+            t.grad = None
+        fn()
+    util = torch.cuda.utilization()  # read while the queued calls still run
+    torch.cuda.synchronize()
+    return float(util)
 
 
 def make_timer(device: str, bench) -> CudaTimer | CpuTimer:

@@ -1,0 +1,259 @@
+"""Whole attention modules, side by side: the cpu_baseline (G2-T1) and scaling (G2-B, G2-T2) studies.
+
+Every provider is one self-attention module with the same weights (an ``nn.MultiheadAttention``
+initialised from a fixed seed; AdaAttention loads its ``state_dict``), called on the same
+(B, S, E) input:
+
+- ``mha``: ``nn.MultiheadAttention`` (``need_weights=False``: its fused SDPA path);
+- ``standard``: the projections, then matmul, softmax, matmul in the input dtype: the textbook
+  module a model without fused attention runs (the guides' "standard attention");
+- ``adaattn``: AdaAttention, precision fixed to the case dtype, ``rank_mode="full"``: the kernel
+  manager picks the backend (candidates: ``manager_backends`` in params.yaml);
+- ``adaattn_auto``: AdaAttention with everything adaptive (``precision_mode="auto"``,
+  ``rank_mode="auto"``): what ``enable_gpu_optimization=True`` gives a user;
+- ``adaattn_noopt``: AdaAttention with ``enable_gpu_optimization=False`` (PyTorch's SDPA);
+- ``direct:<backend>``: AdaAttention's projections and output projection around one backend of the
+  manager, called directly (no manager, no precision policy): the oracle for the 3% goal.
+
+Accuracy is against a float64 module with the same weights on the first batch element.
+FLOPs (forward): projections 2*B*S*E*4E, attention 4*B*H*S^2*D (halved if causal).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from adaattn.attention.ada import AdaAttention
+from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager
+from adaattn.attention.providers import DTYPES, PROVIDERS
+from adaattn.attention.reference import attention_ref
+from adaattn.bench.harness import Case, Workload
+from adaattn.bench.runner import target_sections
+from adaattn.config import Params, Target
+from adaattn.report.common import Section
+
+SEED = 0
+
+
+def _seeded_mha(embed_dim: int, heads: int, device: str, dtype: torch.dtype) -> nn.MultiheadAttention:
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(SEED)
+    try:
+        mha = nn.MultiheadAttention(embed_dim, heads, batch_first=True)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return mha.to(device=device, dtype=dtype)
+
+
+def _standard_forward(mha: nn.MultiheadAttention, x: Tensor, causal: bool) -> Tensor:
+    """Textbook attention module in the input dtype, with ``mha``'s weights."""
+    B, S, E = x.shape
+    H = mha.num_heads
+    q, k, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).view(B, S, 3, H, E // H).permute(2, 0, 3, 1, 4)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(E // H)
+    if causal:
+        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool, device=x.device).triu_(1), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return mha.out_proj(out.transpose(1, 2).reshape(B, S, E))
+
+
+def module_reference(mha: nn.MultiheadAttention, x: Tensor, causal: bool) -> Tensor:
+    """The module in float64 (chunked attention: no S x S matrix), for the inputs given."""
+    B, S, E = x.shape
+    H = mha.num_heads
+    w, b = mha.in_proj_weight.double(), mha.in_proj_bias.double()
+    q, k, v = F.linear(x.double(), w, b).view(B, S, 3, H, E // H).permute(2, 0, 3, 1, 4)
+    out = attention_ref(q, k, v, causal=causal)
+    return F.linear(out.transpose(1, 2).reshape(B, S, E), mha.out_proj.weight.double(), mha.out_proj.bias.double())
+
+
+def backend_unavailable(backend: str, device: str) -> str | None:
+    """Why a kernel-manager backend whose library is optional cannot run here (None: it can)."""
+    provider = {"flash_attn": "flash_attn", "xformers": "xformers_cutlass", "flex": "flex"}.get(backend)
+    return PROVIDERS[provider].unavailable(device) if provider else None
+
+
+class _Direct(nn.Module):
+    """AdaAttention's projections around one backend, called directly."""
+
+    def __init__(self, ada: AdaAttention, backend: str):
+        super().__init__()
+        self.ada, self.run = ada, BACKENDS[backend].run
+
+    def forward(self, x: Tensor, causal: bool) -> Tensor:
+        a = self.ada
+        B, S, E = x.shape
+        q, k, v = a._project(x, x, x)
+        out = self.run(q, k, v, None, causal, 1 / math.sqrt(a.head_dim))
+        return a.out_proj(out.transpose(1, 2).reshape(B, S, E))
+
+
+class ModuleStudy:
+    """One class, two studies: ``cpu_baseline`` (section G2-T1) and ``scaling`` (section G2-B)."""
+
+    config_columns = ["sweep", "batch", "seq_len", "embed_dim", "heads", "head_dim", "causal", "dtype"]
+    # CUDA: besides time per call (events: at small shapes the host's time shows), the GPU time of a
+    # call's kernels (10 profiled calls) and host time per call (20 back to back): the backend choice
+    # is judged on the first, the module's Python overhead on the second
+    kernel_calls = 10
+    host_calls = 20
+
+    def __init__(self, name: str, section_id: str, table_ids: tuple[str, ...], device: str = "cpu"):
+        self.name, self.section_id, self.table_ids, self.device = name, section_id, table_ids, device
+        self._managers: dict[tuple[str, ...], AttentionKernelManager] = {}
+        self._inputs: tuple[str, Tensor] | None = None
+        self._mha: dict[tuple, nn.MultiheadAttention] = {}
+        self._backends: tuple[str, ...] = tuple(BACKENDS)  # set by cases() from the section
+
+    def bind(self, device: str) -> ModuleStudy:
+        return ModuleStudy(self.name, self.section_id, self.table_ids, device)
+
+    def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
+        return target_sections(raw, target_name, (self.section_id,))
+
+    def _section(self, params: Params, target: Target):
+        attr = {"G2-T1": "g2_t1", "G2-B": "g2_b"}[self.section_id]
+        sec = getattr(getattr(params, attr), target.profile, None)
+        if sec is None:
+            raise ValueError(f"{self.section_id} has no {target.profile!r} profile (it is a CPU table)")
+        return sec
+
+    # ------------------------------------------------------------------ cases
+
+    def cases(self, params: Params, target: Target) -> list[Case]:
+        sec = self._section(params, target)
+        self._backends = tuple(sec.manager_backends)
+        if self.section_id == "G2-T1":
+            shapes = [("point", b, s, False) for b, s in sec.points]
+        else:
+            shapes = [("batch", b, sec.batch_sweep_seq_len, c) for c in sec.causal for b in sec.batches]
+            shapes += [("seq", sec.seq_sweep_batch, s, c) for c in sec.causal for s in sec.seq_lens]
+        out, seen = [], set()
+        for sweep, b, s, causal in shapes:
+            mask = "causal" if causal else "full"
+            case_id = f"{self.section_id}/b{b}-s{s}-e{sec.embed_dim}-h{sec.heads}-{mask}-{sec.dtype}"
+            if case_id in seen:  # the point both sweeps share is measured once
+                continue
+            seen.add(case_id)
+            out.append(Case(case_id=case_id, table_id=self.section_id, config={
+                "sweep": sweep, "batch": b, "seq_len": s, "embed_dim": sec.embed_dim, "heads": sec.heads,
+                "head_dim": sec.embed_dim // sec.heads, "causal": causal, "dtype": sec.dtype},
+                providers=tuple(sec.providers), modes=tuple(sec.modes)))
+        return out
+
+    def utilization(self, params: Params, target: Target) -> dict:
+        sec = self._section(params, target)
+        if self.section_id != "G2-B":
+            return {}
+        return {"utilization_s": sec.utilization_s, "utilization_providers": tuple(sec.utilization_providers)}
+
+    # ------------------------------------------------------------------ workloads
+
+    def _manager(self, backends: tuple[str, ...]) -> AttentionKernelManager:
+        """One manager per study run (as one per process): it measures each signature once."""
+        if backends not in self._managers:
+            self._managers[backends] = AttentionKernelManager(backends=list(backends))
+        return self._managers[backends]
+
+    def mha(self, case: Case) -> nn.MultiheadAttention:
+        c = case.config
+        key = (c["embed_dim"], c["heads"], c["dtype"])
+        if key not in self._mha:
+            self._mha[key] = _seeded_mha(c["embed_dim"], c["heads"], self.device, DTYPES[c["dtype"]])
+        return self._mha[key]
+
+    def inputs(self, case: Case) -> Tensor:
+        if self._inputs is None or self._inputs[0] != case.case_id:
+            self._inputs = None
+            c = case.config
+            x = torch.randn(c["batch"], c["seq_len"], c["embed_dim"], device=self.device, dtype=DTYPES[c["dtype"]])
+            self._inputs = (case.case_id, x)
+        return self._inputs[1]
+
+    def build(self, case: Case, provider: str) -> nn.Module:
+        c = case.config
+        mha = self.mha(case)
+        if provider == "mha":
+            return mha
+        if provider == "standard":
+            return mha  # called through _standard_forward
+        precision = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[c["dtype"]]
+        kwargs: dict[str, Any] = dict(precision_mode=precision, rank_mode="full")
+        if provider == "adaattn_auto":
+            kwargs = dict(precision_mode="auto", rank_mode="auto")
+        elif provider == "adaattn_noopt":
+            kwargs["enable_gpu_optimization"] = False
+        ada = AdaAttention(c["embed_dim"], c["heads"], kernel_manager=self._manager(self._backends),
+                           device=self.device, dtype=DTYPES[c["dtype"]], **kwargs)
+        ada.load_state_dict(mha.state_dict())
+        return _Direct(ada, provider.removeprefix("direct:")) if provider.startswith("direct:") else ada
+
+    def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
+        c = case.config
+        causal = c["causal"]
+        module = self.build(case, provider)
+        x = self.inputs(case).detach().clone().requires_grad_(requires_grad)
+        S = c["seq_len"]
+        if provider == "mha":
+            mask = torch.ones(S, S, dtype=torch.bool, device=self.device).triu_(1) if causal else None
+            fn = lambda: module(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal)[0]  # noqa: E731
+        elif provider == "standard":
+            fn = lambda: _standard_forward(module, x, causal)  # noqa: E731
+        elif provider.startswith("direct:"):
+            fn = lambda: module(x, causal)  # noqa: E731
+        else:
+            fn = lambda: module(x, x, x, is_causal=causal)[0]  # noqa: E731
+        params = [p for p in module.parameters() if p.requires_grad] if requires_grad else []
+        for p in params:
+            p.grad = None
+        return Workload(fwd=fn, inputs=[x, *params], flops_fwd=self.flops(case), to_reference_layout=lambda o: o[:1])
+
+    @staticmethod
+    def flops(case: Case) -> float:
+        c = case.config
+        B, S, E = c["batch"], c["seq_len"], c["embed_dim"]
+        attn = 4 * B * c["heads"] * S * S * c["head_dim"] * (0.5 if c["causal"] else 1.0)
+        return 2 * B * S * E * 4 * E + attn
+
+    def reference(self, case: Case) -> Tensor:
+        return module_reference(self.mha(case), self.inputs(case)[:1], case.config["causal"])
+
+    def unavailable(self, provider: str, device: str) -> str | None:
+        return backend_unavailable(provider.removeprefix("direct:"), device) if provider.startswith("direct:") else None
+
+    def has_backward(self, provider: str) -> bool:
+        if provider == "direct:flex":
+            return self.device in PROVIDERS["flex"].backward_devices
+        return True
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        """The kernel manager's ranking per signature (fastest first), as it measured it in this run."""
+        rows = []
+        for manager in self._managers.values():
+            for key, ranking in manager.rankings.items():
+                rows.append({"table_id": self.section_id, "case_id": f"manager/{key}", "provider": "adaattn",
+                             "mode": "", "metric": "manager_ranking", "value": len(ranking), "unit": "backends ranked",
+                             "status": "ok", "reason": "", "kernel": " > ".join(ranking)})
+            for (backend, reason), n in manager.fallbacks.items():
+                rows.append({"table_id": self.section_id, "case_id": f"manager/fallback/{backend}",
+                             "provider": "adaattn", "mode": "", "metric": "manager_fallbacks", "value": n,
+                             "unit": "calls", "status": "ok", "reason": reason[:300], "kernel": backend})
+        return rows
+
+    # ------------------------------------------------------------------ report
+
+    def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
+        from adaattn_experiments.ada_modules_report import render
+
+        return render(self.name, df, out_dir)
+
+
+CPU_BASELINE = ModuleStudy("cpu_baseline", "G2-T1", ("G2-T1",))
+SCALING = ModuleStudy("scaling", "G2-B", ("G2-B", "G2-T2"))

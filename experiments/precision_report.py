@@ -1,0 +1,86 @@
+"""Report of the precision study: G2-T3 (speed, memory and error of each precision vs fp32) and
+G2-T2's precision line, rendered from the results table only (see ``precision.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import seaborn as sns
+
+from adaattn.report.common import Section, Verdict, fmt, guide_figures, md_table, save_figure
+
+PRECISIONS = ["fp32", "tf32", "fp16", "bf16"]
+TOLERANCE = 0.20  # "~1.8x" and "~0.5x" hold within 20%
+KEY = ["target", "hardware", "op", "inputs", "mode"]
+
+
+def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
+    runs = df[(df["case_id"] != "machine") & (df["status"] == "ok")]
+    wide = runs.pivot_table(index=[*KEY, "provider"], columns="metric", values="value").reset_index()
+    base = wide[wide["provider"] == "fp32"].set_index(KEY)
+    rows = []
+    for _, r in wide.iterrows():
+        b = base.loc[tuple(r[k] for k in KEY)] if tuple(r[k] for k in KEY) in base.index else None
+        rows.append({**{k: r[k] for k in KEY}, "precision": r["provider"],
+                     "ms": r.get("time_ms"), "speed vs fp32": b["time_ms"] / r["time_ms"] if b is not None else None,
+                     "memory vs fp32": r["peak_mem_mb"] / b["peak_mem_mb"] if b is not None else None,
+                     "MSE vs float64": r.get("mse"), "rel L1": r.get("rel_l1"), "cosine": r.get("cosine")})
+    t = pd.DataFrame(rows)
+    t["precision"] = pd.Categorical(t["precision"], PRECISIONS)
+    t = t.sort_values([*KEY, "precision"])
+    guide = guide_figures()["G2-T3"]["figures"]
+    verdicts = _verdicts(t, guide, guide_figures()["G2-T2"]["figures"])
+    parts = []
+    for target, f in t[t["mode"] == "fwd"].groupby("target"):
+        f = f.dropna(subset=["MSE vs float64"])
+        if f.empty:
+            continue
+        grid = sns.catplot(data=f, x="precision", y="MSE vs float64", hue="inputs", col="op", kind="bar",
+                           height=2.8, aspect=1.2, order=[p for p in PRECISIONS if p in set(f["precision"])])
+        grid.set(yscale="log")
+        name = f"g2_t3_mse_{target}.png"
+        save_figure(grid.figure, out_dir / name)
+        parts.append(f"![MSE, {target}]({out_dir.name}/{name})\n")
+    shown = t.copy()
+    for col in ("ms", "speed vs fp32", "memory vs fp32", "MSE vs float64", "rel L1", "cosine"):
+        shown[col] = shown[col].map(lambda v: fmt(v, 4 if v is not None and pd.notna(v) and v > 0.99 else 3))
+    gtab = pd.DataFrame([{"precision": p, "guide speed vs FP32": f"~{guide['speed_vs_fp32'][p]}x",
+                          "guide memory vs FP32": f"~{guide['memory_vs_fp32'][p]}x",
+                          "guide MSE vs FP32": f"< {guide['mse_vs_fp32_below'][p]:g}" if guide["mse_vs_fp32_below"][p]
+                          else "0.0"} for p in guide["speed_vs_fp32"]])
+    md = ("\n".join(parts) + "\nThe guide's table (no hardware named):\n\n" + md_table(gtab) + "\n\n"
+          "Measured: time per call (p50), speed = fp32 time / time, memory = peak memory of one call / fp32's, error "
+          "against float64 on the first batch element (fp32's error is the floor; the guide's MSE is vs FP32). "
+          "`attention` is SDPA on (B, H, S, D); `block` a pre-norm transformer block around AdaAttention; inputs "
+          "N(0,1) or with outliers (see params.yaml).\n\n" + md_table(shown) + "\n")
+    return [Section("G2-T3", "Precision Mode Accuracy", md, verdicts)]
+
+
+def _verdicts(t: pd.DataFrame, guide: dict, g2_t2: dict) -> list[Verdict]:
+    out = []
+    sel = t[(t["mode"] == "fwd") & (t["inputs"] == "normal")]
+    for (target, hw, op), f in sel.groupby(["target", "hardware", "op"]):
+        by = f.set_index("precision")
+        for p in ("fp16", "bf16"):
+            if p not in by.index or pd.isna(by.loc[p, "ms"]):
+                continue
+            r = by.loc[p]
+            g_speed, g_mem, g_mse = guide["speed_vs_fp32"][p], guide["memory_vs_fp32"][p], guide["mse_vs_fp32_below"][p]
+            out.append(Verdict("G2-T3", f"{p.upper()} ~{g_speed}x faster than FP32 ({op}, forward)", f"~{g_speed}x",
+                               f"{r['speed vs fp32']:.2f}x", hw,
+                               "holds" if abs(r["speed vs fp32"] / g_speed - 1) <= TOLERANCE else "does not hold",
+                               f"within {TOLERANCE:.0%} of the guide's figure"))
+            out.append(Verdict("G2-T3", f"{p.upper()} ~{g_mem}x the memory of FP32 ({op}, forward)", f"~{g_mem}x",
+                               f"{r['memory vs fp32']:.2f}x", hw,
+                               "holds" if abs(r["memory vs fp32"] / g_mem - 1) <= TOLERANCE else "does not hold",
+                               f"peak memory of one call, within {TOLERANCE:.0%}"))
+            out.append(Verdict("G2-T3", f"{p.upper()} MSE < {g_mse:g} ({op}, forward)", f"< {g_mse:g} (vs FP32)",
+                               f"{r['MSE vs float64']:.3g} (vs float64)", hw,
+                               "holds" if r["MSE vs float64"] < g_mse else "does not hold",
+                               "N(0,1) inputs; the MSE scales with the output's magnitude, which the guide does not give"))
+            lo, hi = g2_t2["low_precision_speedup"]
+            out.append(Verdict("G2-T2", f"{lo}-{hi}x speedup with {p.upper()} ({op}, forward)", f"{lo}-{hi}x",
+                               f"{r['speed vs fp32']:.2f}x", hw,
+                               "holds" if lo <= r["speed vs fp32"] <= hi else "does not hold"))
+    return out

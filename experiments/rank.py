@@ -1,0 +1,202 @@
+"""Rank study (G2-C1, "adaptive rank + precision kernel"): what the low-rank path costs in error and
+gains in speed, and how well the adaptive policy picks a rank.
+
+Inputs, (B, H, S, D), per sequence length:
+- ``spread-r<r>``: queries and keys drawn around r cluster centres per head (N(0, I) centres,
+  tokens assigned uniformly at random over the sequence, noise ``cluster_noise``): rows (and
+  columns) of one cluster are nearly equal, so every attention matrix has rank about r;
+- ``contiguous-r<r>``: the same, with each cluster one contiguous run of S/r tokens (locality,
+  the structure segment-mean landmarks summarise);
+- ``random``: N(0, 1) queries and keys, no low-rank structure.
+Values are N(0, 1).
+
+Providers, forward: each exact backend of ``exact_providers`` (the kernel manager's, called
+directly), ``nystrom-<r>`` for each rank of ``ranks`` up to S/2, and ``policy``: the path that
+``rank_mode="auto"``'s policy (``rank.choose_rank``) picks for these inputs (its one-time
+estimate is not timed; the study lifts AdaAttention's minimum length, so the policy is seen at
+every S). Error: against float64 on the first batch element.
+
+Extra rows per case and head: the sampled spectrum rank and entropy rank (the estimators), the
+effective rank of the full attention matrix (99% of the squared singular values; S up to
+``full_spectrum_max_len``), and the policy's estimate, landmarks and sampled error.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from adaattn.attention.kernel_manager import BACKENDS
+from adaattn.attention.providers import DTYPES
+from adaattn.attention.rank import choose_rank, estimate_rank, nystrom_attention
+from adaattn.attention.reference import attention_ref
+from adaattn.bench.harness import Case, Workload
+from adaattn.bench.runner import target_sections
+from adaattn.config import Params, Target
+from adaattn.report.common import Section
+from adaattn_experiments.ada_modules import backend_unavailable
+
+ENERGY = 0.99
+
+
+class RankStudy:
+    name = "rank"
+    table_ids = ("G2-C1",)
+    config_columns = ["inputs", "true_rank", "batch", "heads", "seq_len", "head_dim", "dtype", "head"]
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self._inputs: tuple[str, tuple[Tensor, Tensor, Tensor]] | None = None
+        self._sec = None
+        self._policy: dict[str, tuple[int | None, dict]] = {}
+        self._cases: list[Case] = []
+
+    def bind(self, device: str) -> RankStudy:
+        return RankStudy(device)
+
+    def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
+        return target_sections(raw, target_name, ("G2-C1",))
+
+    def cases(self, params: Params, target: Target) -> list[Case]:
+        sec = getattr(params.g2_c1, target.profile)
+        self._sec = sec
+        kinds = [(f"{layout}-r{r}", r) for layout in sec.cluster_layouts for r in sec.true_ranks]
+        kinds += [("random", 0)] if sec.random_inputs else []
+        out = []
+        for kind, true_rank in kinds:
+            for S in sec.seq_lens:
+                providers = (*sec.exact_providers, *(f"nystrom-{r}" for r in sec.ranks if r <= S // 2), "policy")
+                out.append(Case(
+                    case_id=f"G2-C1/{kind}-b{sec.batch}-h{sec.heads}-s{S}-d{sec.head_dim}-{sec.dtype}",
+                    table_id="G2-C1", providers=providers, modes=("fwd",),
+                    config={"inputs": kind, "true_rank": true_rank, "batch": sec.batch, "heads": sec.heads,
+                            "seq_len": S, "head_dim": sec.head_dim, "dtype": sec.dtype}))
+        self._cases = out
+        return out
+
+    # ------------------------------------------------------------------ inputs
+
+    def inputs(self, case: Case) -> tuple[Tensor, Tensor, Tensor]:
+        """Deterministic per case (seeded by its id): the extra rows see the inputs the timings saw."""
+        if self._inputs is None or self._inputs[0] != case.case_id:
+            self._inputs = None
+            c = case.config
+            g = torch.Generator(device=self.device).manual_seed(zlib.crc32(case.case_id.encode()))
+            B, H, S, D = c["batch"], c["heads"], c["seq_len"], c["head_dim"]
+
+            def randn(*shape: int) -> Tensor:
+                return torch.randn(shape, generator=g, device=self.device)
+
+            if c["true_rank"]:
+                r = c["true_rank"]
+                centres = randn(1, H, r, D)
+
+                def clustered() -> Tensor:
+                    if c["inputs"].startswith("contiguous"):
+                        which = (torch.arange(S, device=self.device) * r // S).expand(B, H, S)
+                    else:
+                        which = torch.randint(0, r, (B, H, S), generator=g, device=self.device)
+                    picked = torch.gather(centres.expand(B, H, r, D), 2, which[..., None].expand(B, H, S, D))
+                    return picked + self._sec.cluster_noise * randn(B, H, S, D)
+
+                q, k = clustered(), clustered()
+            else:
+                q, k = randn(B, H, S, D), randn(B, H, S, D)
+            dt = DTYPES[c["dtype"]]
+            self._inputs = (case.case_id, (q.to(dt), k.to(dt), randn(B, H, S, D).to(dt)))
+        return self._inputs[1]
+
+    def policy(self, case: Case) -> tuple[int | None, dict]:
+        if case.case_id not in self._policy:
+            q, k, v = self.inputs(case)
+            self._policy[case.case_id] = choose_rank(q, k, v, sample=self._sec.sample_rows, min_len=1,
+                                                     max_rel_error=self._sec.error_tolerance)
+        return self._policy[case.case_id]
+
+    # ------------------------------------------------------------------ harness hooks
+
+    def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
+        q, k, v = (t.detach().requires_grad_(requires_grad) for t in self.inputs(case))
+        if provider == "policy":
+            r, _ = self.policy(case)
+            provider = f"nystrom-{r}" if r is not None else "sdpa"
+        if provider.startswith("nystrom-"):
+            r = int(provider.removeprefix("nystrom-"))
+            fn = lambda: nystrom_attention(q, k, v, r)  # noqa: E731
+        else:
+            run = BACKENDS[provider].run
+            fn = lambda: run(q, k, v, None, False, None)  # noqa: E731
+        c = case.config
+        flops = 4 * c["batch"] * c["heads"] * c["seq_len"] ** 2 * c["head_dim"]  # of exact attention
+        return Workload(fwd=fn, inputs=[q, k, v], flops_fwd=flops, to_reference_layout=lambda o: o[:1])
+
+    def reference(self, case: Case) -> Tensor:
+        return attention_ref(*(t[:1] for t in self.inputs(case)))
+
+    def unavailable(self, provider: str, device: str) -> str | None:
+        if provider in BACKENDS:
+            return backend_unavailable(provider, device)
+        return None
+
+    def has_backward(self, provider: str) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ estimators (outside the harness)
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        rows = []
+        for case in self._cases:
+            q, k, v = self.inputs(case)
+            c = case.config
+            base = {"table_id": "G2-C1", "case_id": case.case_id, "mode": "fwd", "status": "ok", "reason": "",
+                    "kernel": "", **c}
+            est = estimate_rank(q, k, sample_rows=self._sec.sample_rows, energy=ENERGY)
+            full = self._full_rank(q, k) if c["seq_len"] <= self._sec.full_spectrum_max_len else None
+            for h in range(c["heads"]):
+                head = {**base, "head": h, "provider": "estimator"}
+                rows.append({**head, "metric": "spectrum_rank_sampled", "value": est["spectrum"][h].item(),
+                             "unit": f"singular values holding {ENERGY:.0%} (sampled rows)"})
+                rows.append({**head, "metric": "entropy_rank", "value": est["entropy"][h].item(),
+                             "unit": "exp(mean row entropy)"})
+                if full is not None:
+                    rows.append({**head, "metric": "spectrum_rank_full", "value": full[h].item(),
+                                 "unit": f"singular values holding {ENERGY:.0%} (full matrix, batch element 0)"})
+            r, seen = self.policy(case)
+            pol = {**base, "provider": "policy"}
+            rows.append({**pol, "metric": "policy_rank", "value": r if r is not None else 0,
+                         "unit": "landmarks (0: exact path)",
+                         "reason": "" if r is not None else self._why_exact(seen)})
+            rows.append({**pol, "metric": "policy_tolerance", "value": self._sec.error_tolerance,
+                         "unit": "rel L2 the policy accepts on its sampled rows"})
+            if seen["estimate"] is not None:
+                rows.append({**pol, "metric": "policy_estimate", "value": seen["estimate"], "unit": "rank"})
+            if seen["sample_rel_error"] is not None:
+                rows.append({**pol, "metric": "policy_sample_rel_l2", "value": seen["sample_rel_error"],
+                             "unit": f"rel L2 of {seen['tried']} landmarks on the sampled rows"})
+        return rows
+
+    def _why_exact(self, seen: dict) -> str:
+        if seen["tried"] is None:
+            return f"estimate {seen['estimate']} is not clearly low (> sample/2 or > S/16)"
+        return f"{seen['tried']} landmarks: sampled rel L2 {seen['sample_rel_error']:.3g} > {self._sec.error_tolerance}"
+
+    @staticmethod
+    def _full_rank(q: Tensor, k: Tensor) -> Tensor:
+        """(H,) effective rank of each head's full softmax matrix (batch element 0), float64."""
+        p = torch.softmax((q[0].double() @ k[0].double().transpose(-2, -1)) / q.shape[-1] ** 0.5, dim=-1)
+        s2 = torch.linalg.eigvalsh(p @ p.transpose(-2, -1)).flip(-1).clamp_min(0)  # squared singular values
+        frac = s2.cumsum(-1) / s2.sum(-1, keepdim=True)
+        return (frac < ENERGY).sum(-1) + 1
+
+    def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
+        from adaattn_experiments.rank_report import render
+
+        return render(df, out_dir)
+
+
+STUDY = RankStudy()

@@ -1,0 +1,145 @@
+"""The G2 studies (precision G2-T3, rank G2-C1, scaling G2-B, cpu_baseline G2-T1) on the CPU at toy
+sizes: their params are validated, every provider runs, the results mean what their names say,
+and each report renders from its own results."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from adaattn.bench.harness import Harness
+from adaattn.bench.roofline import Ceilings
+from adaattn.bench.timing import CpuTimer
+from adaattn.config import ConfigError, load_params, load_raw, validate
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+
+
+def _params(**overrides):
+    """params.yaml with ``{"G2-B.cpu.seq_lens": [64], ...}`` applied."""
+    raw = copy.deepcopy(load_raw(PARAMS))
+    for dotted, value in overrides.items():
+        node = raw
+        *path, last = dotted.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return validate(raw), raw
+
+
+def _run(study, params):
+    study = study.bind("cpu")
+    cases = study.cases(params, params.targets["cpu"])
+    h = Harness("cpu", CpuTimer(1, 2), Ceilings(10.0, 1.0, "fp32", 64),
+                **(study.utilization(params, params.targets["cpu"]) if hasattr(study, "utilization") else {}))
+    rows = h.run(study, cases)
+    extra = study.extra_rows(params, params.targets["cpu"]) if hasattr(study, "extra_rows") else []
+    prov = {"target": "cpu", "hardware": "test cpu"}
+    return pd.DataFrame([{**r, **prov} for r in rows + extra])
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("G2-B.cpu.providers", ["mha", "direct:nope"], "allowed: mha, standard"),
+    ("G2-B.cpu.manager_backends", ["sdpa", "cuda_magic"], "allowed: flash_attn"),
+    ("G2-T3.cpu.precisions", ["fp16", "bf16"], "must include fp32"),
+    ("G2-T3.cpu.heads", 3, "must divide embed_dim"),
+    ("G2-C1.cpu.cluster_layouts", ["diagonal"], "spread"),
+    ("G2-C1.cpu.exact_providers", ["nystrom"], "allowed: flash_attn"),
+])
+def test_bad_g2_params_are_rejected_naming_key_and_allowed_values(key, value, message):
+    with pytest.raises(ConfigError) as err:
+        _params(**{key: value})
+    assert message in str(err.value) and key.split(".")[0] in str(err.value)
+
+
+def test_precision_study_low_precision_is_less_accurate_and_tf32_is_a_cuda_row():
+    from adaattn_experiments.precision import STUDY
+
+    params, _ = _params(**{"G2-T3.cpu.seq_len": 32, "G2-T3.cpu.embed_dim": 64, "G2-T3.cpu.batch": 1,
+                           "G2-T3.cpu.modes": ["fwd"]})
+    df = _run(STUDY, params)
+    t = df[df.metric == "time_ms"]
+    assert set(t[t.provider == "tf32"].status) == {"unavailable"}
+    assert (t[t.provider != "tf32"].status == "ok").all(), t[["provider", "status", "reason"]]
+    mse = df[df.metric == "mse"].pivot_table(index="case_id", columns="provider", values="value")
+    assert len(mse) == 4  # attention and block, normal and outliers
+    assert (mse["fp32"] < 1e-10).all() and (mse["bf16"] > 100 * mse["fp32"]).all() and (mse["fp16"] < mse["bf16"]).all()
+
+
+def test_outlier_inputs_have_the_configured_outliers():
+    import torch
+
+    from adaattn_experiments.precision import STUDY
+
+    params, _ = _params(**{"G2-T3.cpu.outlier_prob": 0.01, "G2-T3.cpu.outlier_std": 50.0})
+    study = STUDY.bind("cpu")
+    cases = {c.case_id: c for c in study.cases(params, params.targets["cpu"])}
+    x = study.inputs(next(c for i, c in cases.items() if "block-outliers" in i))
+    frac = (x.abs() > 6).float().mean().item()
+    assert 0.004 < frac < 0.02 and torch.isfinite(x).all()
+    x = study.inputs(next(c for i, c in cases.items() if "block-normal" in i))
+    assert (x.abs() > 6).sum() == 0
+
+
+def test_module_providers_share_weights_and_match_the_float64_module():
+    from adaattn_experiments.ada_modules import SCALING
+
+    params, _ = _params(**{"G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 32,
+                           "G2-B.cpu.embed_dim": 64, "G2-B.cpu.causal": [False, True]})
+    df = _run(SCALING, params)
+    t = df[df.metric == "time_ms"]
+    assert (t.status == "ok").all(), t[t.status != "ok"][["provider", "status", "reason"]]
+    err = df[(df.metric == "rel_l2")]
+    assert set(err.provider) == set(params.g2_b.cpu.providers) and (err.value < 1e-5).all(), err[["provider", "value"]]
+    ranking = df[df.metric == "manager_ranking"]
+    assert len(ranking) and ranking.kernel.str.contains(" > ").all()
+
+
+def test_rank_study_policy_estimators_and_oracle():
+    from adaattn_experiments.rank import STUDY
+
+    params, _ = _params(**{"G2-C1.cpu.seq_lens": [256], "G2-C1.cpu.true_ranks": [8], "G2-C1.cpu.ranks": [8, 16, 32],
+                           "G2-C1.cpu.exact_providers": ["sdpa"]})
+    df = _run(STUDY, params)
+    pol = df[df.metric == "policy_rank"].set_index("inputs")
+    assert pol.loc["contiguous-r8", "value"] == 16  # 2 x the estimate, accepted on its sampled error
+    assert pol.loc["spread-r8", "value"] == 0 and "rel L2" in pol.loc["spread-r8", "reason"]
+    assert pol.loc["random", "value"] == 0 and "not clearly low" in pol.loc["random", "reason"]
+    err = df[df.metric == "rel_l2"].pivot_table(index="inputs", columns="provider", values="value")
+    assert err.loc["contiguous-r8", "nystrom-8"] < 0.05 and err.loc["spread-r8", "nystrom-32"] > 0.3
+    assert err.loc["contiguous-r8", "policy"] < 0.05 and err.loc["spread-r8", "policy"] < 1e-5
+    est = df[df.provider == "estimator"].pivot_table(index=["inputs", "head"], columns="metric", values="value")
+    assert len(est) == 3 * params.g2_c1.cpu.heads
+    assert (est.loc["contiguous-r8", "spectrum_rank_full"] <= 8).all()
+    assert (est.loc["random", "spectrum_rank_full"] > 100).all()
+
+
+def test_reports_render_from_results(tmp_path):
+    """Each G2 report renders with its verdicts from the rows its study writes."""
+    from adaattn_experiments.ada_modules import CPU_BASELINE
+    from adaattn_experiments.ada_modules_report import render as render_modules
+    from adaattn_experiments.precision import STUDY as PRECISION
+    from adaattn_experiments.precision_report import render as render_precision
+    from adaattn_experiments.rank import STUDY as RANK
+    from adaattn_experiments.rank_report import render as render_rank
+
+    params, _ = _params(**{"G2-T1.cpu.points": [[1, 32], [2, 16]], "G2-T3.cpu.seq_len": 32, "G2-T3.cpu.embed_dim": 64,
+                           "G2-T3.cpu.modes": ["fwd"], "G2-C1.cpu.seq_lens": [128], "G2-C1.cpu.ranks": [8, 16],
+                           "G2-C1.cpu.true_ranks": [8], "G2-C1.cpu.exact_providers": ["sdpa"]})
+    sections = render_precision(_run(PRECISION, params), tmp_path)
+    assert sections[0].table_id == "G2-T3" and {v.table_id for v in sections[0].verdicts} == {"G2-T3", "G2-T2"}
+    (section,) = render_rank(_run(RANK, params), tmp_path)
+    assert "oracle landmarks" in section.markdown and (tmp_path / "g2_c1_error_cpu.png").exists()
+    (section,) = render_modules("cpu_baseline", _run(CPU_BASELINE, params), tmp_path)
+    assert " ± " in section.markdown and section.table_id == "G2-T1"
+
+
+def test_g2_t1_is_a_cpu_table():
+    from adaattn_experiments.ada_modules import CPU_BASELINE
+
+    params, _ = load_params(PARAMS)
+    with pytest.raises(ValueError, match="CPU table"):
+        CPU_BASELINE.bind("cuda").cases(params, params.targets["h100"])
