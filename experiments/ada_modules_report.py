@@ -16,7 +16,7 @@ GOAL_OVERHEAD = 1.03  # adaattn at most 3% slower than the fastest backend calle
 SAME_TOLERANCE = 0.10  # G2-T1: "the same ms" within 10%
 MAIN = ["mha", "standard", "adaattn", "adaattn_auto", "adaattn_noopt"]
 GOAL_TIMES = {"kernel_ms": "kernel time (GPU, summed over the call's kernels)",
-              "time_ms": "time per call (CUDA events; host time shows where the device waits)"}
+              "time_ms": "time per call (p50; on a GPU, CUDA events: host time shows where the device waits)"}
 
 
 def render(study: str, df: pd.DataFrame, out_dir: Path) -> list[Section]:
