@@ -83,12 +83,12 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
             save_figure(grid.figure, out_dir / name)
             parts.append(f"![{sweep} sweep, {target}]({out_dir.name}/{name})\n")
     rows = []
+    mem_by_key = mem.set_index(["target", "case_id", "mode"])
     for _, r in t.iterrows():
         direct = [c for c in t.columns if isinstance(c, str) and c.startswith("direct:") and pd.notna(r[c])]
         best = min(direct, key=lambda c: r[c]) if direct else None
         key = (r["target"], r["case_id"], r["mode"])
-        m = mem.set_index(["target", "case_id", "mode"]).loc[key] if key in mem.set_index(
-            ["target", "case_id", "mode"]).index else None
+        m = mem_by_key.loc[key] if key in mem_by_key.index else None
         row = {"target": r["target"], "B": int(r["batch"]), "S": int(r["seq_len"]), "mode": r["mode"]}
         for p in MAIN:
             row[f"{p} ms"] = fmt(r.get(p))
