@@ -228,6 +228,21 @@ def test_rank_estimate_on_inputs_of_known_rank():
     torch.testing.assert_close(uniform["entropy"], torch.full((2,), 256.0), rtol=1e-4, atol=0)
 
 
+def test_nystrom_gqa_and_uneven_segments_match_the_repeated_heads():
+    """GQA runs without copying k and v: the same as repeating them per query head. Landmarks of
+    segments of unequal size (r does not divide S) take the prefix-sum path; low precision keeps
+    fp32 landmarks and softmaxes and stays close to the fp32 result."""
+    q, k, v = torch.randn(2, 6, 96, 16), torch.randn(2, 2, 96, 16), torch.randn(2, 2, 96, 16)
+    rep = [t.repeat_interleave(3, dim=1) for t in (k, v)]
+    for r in (8, 7):  # 96 % 8 == 0: the view; 96 % 7 != 0: prefix sums
+        torch.testing.assert_close(nystrom_attention(q, k, v, r), nystrom_attention(q, *rep, r), atol=1e-5, rtol=1e-5)
+    k = _low_rank_keys(2, 2, 96, 16, 8)
+    full = nystrom_attention(q, k, v, 8, pinv_iters=20)
+    low = nystrom_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, pinv_iters=20)
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - full).norm() / full.norm() < 2e-2
+
+
 def test_nystrom_is_exact_on_block_low_rank_keys_and_chunked_is_exact():
     q = torch.randn(1, 2, 128, 16)
     k = _low_rank_keys(1, 2, 128, 16, 8)

@@ -145,7 +145,8 @@ def test_contiguous_rows_with_a_stray_size_one_stride():
 
 
 def test_tuned_config_is_looked_up_once_per_key():
-    """After the first call of a key the launcher skips the autotuner: same config, same result."""
+    """The first call of a key chooses its config (the interpreter: the first config); later calls
+    look it up: same config, same result."""
     import importlib
 
     rn = importlib.import_module("adaattn.kernels.rms_norm")  # the module, not the function of that name
@@ -153,9 +154,39 @@ def test_tuned_config_is_looked_up_once_per_key():
     x, w = _randn(33, 136), _randn(136)
     first = K.rms_norm(x, w)
     key = (136, x.dtype, w.dtype)
-    assert key in rn._fwd.chosen
-    assert rn._fwd.chosen[key] == rn._rms_norm_fwd_kernel.best_config.all_kwargs()
+    assert rn._fwd.chosen[key] == rn._fwd.configs[0].all_kwargs()
     torch.testing.assert_close(K.rms_norm(x, w), first, atol=0, rtol=0)
+
+
+def test_worst_case_pick_prefers_no_bad_size():
+    """The config kept is the one with the best worst-case ratio to each size's fastest, not the
+    fastest at one size; ties go to the smaller total; a config that cannot run never wins."""
+    from adaattn.kernels.runtime import worst_case_pick
+
+    inf = float("inf")
+    # config 0: fastest at the small size, 2x off at the large one; config 1: 10% off at both
+    assert worst_case_pick([[1.0, 20.0], [1.1, 11.0], [1.05, 10.0]]) == 2
+    assert worst_case_pick([[1.0, 20.0], [1.1, 11.0]]) == 1
+    assert worst_case_pick([[inf, 1.0], [2.0, 2.0]]) == 1
+    assert worst_case_pick([[2.0, 2.0], [2.0, 2.0]]) == 0
+
+
+@pytest.mark.parametrize("name", ["rms_norm._fwd", "rms_norm._bwd", "swiglu._fwd", "swiglu._bwd", "swiglu._fwd_flat",
+                                  "swiglu._bwd_flat", "rope._rope", "rope._qk_fwd", "rope._qk_bwd"])
+def test_tuning_problems_run(name):
+    """Every launcher's tuning problem builds from its key and runs (here at a few KB, in the
+    interpreter): the key layout and the example factory agree."""
+    import importlib
+
+    module, attr = name.split(".")
+    launch = getattr(importlib.import_module(f"adaattn.kernels.{module}"), attr)
+    f32 = torch.float32
+    key = {"rms_norm._fwd": (40, f32, f32), "rms_norm._bwd": (40, f32, f32, f32), "swiglu._fwd": (40, f32),
+           "swiglu._bwd": (40, f32, f32), "swiglu._fwd_flat": (40, f32), "swiglu._bwd_flat": (40, f32, f32),
+           "rope._rope": (4, 2, 8, f32, f32, f32), "rope._qk_fwd": (4, 2, 8, f32, f32, f32, f32, f32),
+           "rope._qk_bwd": (4, 2, 8, f32, f32, f32, f32, f32, f32, f32)}[name]
+    out = launch.example(key, 4096, torch.device(DEVICE))()
+    assert all(torch.isfinite(t).all() for t in (out if isinstance(out, tuple) else (out,)))
 
 
 def _ops_in_graph(fn, *args):

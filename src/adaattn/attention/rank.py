@@ -60,32 +60,47 @@ def estimate_rank(q: Tensor, k: Tensor, sample_rows: int = 64, energy: float = 0
 
 
 def _segment_means(x: Tensor, r: int) -> Tensor:
-    """(B, H, S, D) -> (B, H, r, D): means of r contiguous segments (sizes differ by at most one)."""
-    S = x.shape[2]
+    """(B, H, S, D) -> (B, H, r, D) fp32: means of r contiguous segments (sizes differ by at most
+    one). When r divides S, one mean over a (B, H, r, S/r, D) view; otherwise prefix sums."""
+    B, H, S, D = x.shape
+    if S % r == 0:
+        return x.view(B, H, r, S // r, D).mean(3, dtype=torch.float32)
     bounds = torch.linspace(0, S, r + 1, device=x.device).round().long()
     csum = torch.nn.functional.pad(x.float().cumsum(2), (0, 0, 1, 0))
     sums = csum[:, :, bounds[1:]] - csum[:, :, bounds[:-1]]
-    return (sums / (bounds[1:] - bounds[:-1]).clamp_min(1)[:, None].float()).to(x.dtype)
+    return sums / (bounds[1:] - bounds[:-1]).clamp_min(1)[:, None].float()
 
 
 def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | None = None,
                       pinv_iters: int = 6, rows: Tensor | None = None) -> Tensor:
     """Nyström approximation of softmax(q k^T * scale) v with ``rank`` landmarks; no mask.
-    q (B, Hq, L, D), k and v (B, Hkv, S, D). Math in fp32, output in q's dtype. ``rows``: only
-    these query rows of the output (the landmarks still come from every row)."""
+    q (B, Hq, L, D), k and v (B, Hkv, S, D); GQA without copying k or v (the query heads of a kv
+    head are stacked). q K~^T runs in the input dtype (fp32 accumulation; q is never copied to
+    fp32); landmarks, Q~ k^T, its product with v, the softmaxes and the r x r pseudo-inverse are
+    fp32: the pseudo-inverse of an ill-conditioned landmark kernel amplifies any rounding there.
+    Output in q's dtype. ``rows``: only these query rows of the output (the landmarks still come
+    from every row)."""
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive int; got {rank!r}")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    g = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(g, dim=1) if g > 1 else t for t in (k, v))
-    rank = min(rank, q.shape[2], k.shape[2])
-    qf, kf, vf = q.float(), k.float(), v.float()
-    ql, kl = _segment_means(qf, rank), _segment_means(kf, rank)
-    qr = qf if rows is None else qf[:, :, rows]
-    f = torch.softmax(qr @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, H, L, r)
-    a = torch.softmax(ql @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, H, r, r)
-    b = torch.softmax(ql @ kf.transpose(-2, -1) * scale, dim=-1)  # (B, H, r, S)
-    return (f @ (_pinv(a, pinv_iters) @ (b @ vf))).to(q.dtype)
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    rank = min(rank, L, S)
+    ql = _segment_means(q, rank)  # (B, Hq, r, D) fp32
+    # key landmarks rounded to the input dtype for q K~^T; the r x r kernel is built from the same
+    # rounded values, or its pseudo-inverse amplifies the mismatch
+    kl = _segment_means(k, rank).to(k.dtype)  # (B, Hkv, r, D)
+    kl = kl.repeat_interleave(g, dim=1) if g > 1 else kl  # r rows per query head: a small copy
+    qr = q if rows is None else q[:, :, rows]
+    f = torch.softmax((qr @ kl.transpose(-2, -1)).float() * scale, dim=-1)  # (B, Hq, L', r)
+    a = torch.softmax(ql @ kl.float().transpose(-2, -1) * scale, dim=-1)  # (B, Hq, r, r)
+    # Q~ k^T and its product with v in fp32 (the pseudo-inverse amplifies their rounding); per kv
+    # head, its g query heads' landmarks stacked: (B, Hkv, g r, S)
+    kf, vf = k.float(), v.float()
+    b = torch.softmax(ql.reshape(B, Hkv, g * rank, D) @ kf.transpose(-2, -1) * scale, dim=-1)
+    bv = (b @ vf).reshape(B, Hq, rank, D)
+    return (f @ (_pinv(a, pinv_iters) @ bv)).to(q.dtype)
 
 
 def _pinv(a: Tensor, iters: int) -> Tensor:

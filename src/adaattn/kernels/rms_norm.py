@@ -1,11 +1,11 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, forward and backward in Triton (G4-T2, G4-C1).
 
 Forward: each program normalises ROWS rows held in registers (several rows per program for small
-hidden sizes, one for large). Backward: a persistent grid (PPS programs per SM, autotuned) walks blocks of
-rows and accumulates its partial weight gradient in fp32 registers; the partials (programs x
+hidden sizes, one for large). Backward: a persistent grid (PPS programs per SM, tuned) walks blocks of
+rows (a software pipeline STAGES deep) and accumulates its partial weight gradient in fp32 registers; the partials (programs x
 hidden) are summed in fp32 and cast once, so a bf16 weight gradient is summed in fp32.
-Statistics (mean square, rstd) are fp32 whatever the input dtype. Autotuned on the hidden size
-(and dtype), never on the number of rows.
+Statistics (mean square, rstd) are fp32 whatever the input dtype. Tuned on the hidden size
+(and dtype), never on the number of rows (``runtime.TunedLaunch``).
 """
 
 from __future__ import annotations
@@ -16,23 +16,28 @@ import triton.language as tl
 from torch import Tensor
 
 from adaattn.kernels.partials import sum_partials
-from adaattn.kernels.runtime import TunedLaunch, bench_for_autotune, check_float, flat_rows, programs_for, tuned
+from adaattn.kernels.runtime import TunedLaunch, check_float, flat_rows, programs_for, tuned
 
 MAX_HIDDEN = 2**16 // 4  # one row of fp32 must fit in a program's registers
 
 
-def _prune(configs, named_args, **kwargs):
+def _prune(configs, key, kwargs):
+    """Tiles of at most 16K elements, 2 to 64 of them per thread."""
     block = kwargs["BLOCK_N"]
-    keep = [c for c in configs if c.kwargs["ROWS"] * block <= 16384 and c.num_warps * 32 <= c.kwargs["ROWS"] * block]
+    keep = [c for c in configs if c.kwargs["ROWS"] * block <= 16384
+            and 2 <= c.kwargs["ROWS"] * block // (c.num_warps * 32) <= 64]
     return keep or configs[:1]
 
 
 _CONFIGS = tuned([triton.Config({"ROWS": r}, num_warps=w) for r, w in
-                  [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)]])
-# backward: also the persistent grid, PPS programs per SM (few rows per program hide too little
-# latency; many programs write many fp32 partial rows)
-_BWD_CONFIGS = tuned([triton.Config({"ROWS": r, "PPS": p}, num_warps=w) for r, w in
-                      [(1, 4), (1, 8), (1, 16), (2, 8), (4, 4), (4, 8), (8, 8), (16, 8)] for p in (2, 4, 8, 16)])
+                  [(1, 4), (1, 1), (1, 2), (1, 8), (1, 16), (2, 2), (2, 4), (2, 8), (4, 2), (4, 4), (4, 8), (8, 4),
+                   (8, 8), (16, 4), (16, 8)]])
+# backward: the persistent grid, PPS programs per SM (grid only: few rows per program hide too
+# little latency; many programs write many fp32 partial rows), and STAGES, the depth of the
+# software pipeline over the program's blocks of rows
+_BWD_CONFIGS = tuned([triton.Config({"ROWS": r, "STAGES": s, "PPS": p}, num_warps=w) for r, w, s in
+                      [(1, 4, 3), (1, 4, 1), (1, 8, 3), (1, 8, 1), (1, 16, 3), (1, 16, 1), (2, 4, 3), (2, 8, 3),
+                       (4, 4, 3), (4, 8, 3), (8, 8, 3), (16, 8, 3)] for p in (2, 4, 8, 16)])
 
 
 def _max_pps(block_n: int) -> int:
@@ -40,18 +45,15 @@ def _max_pps(block_n: int) -> int:
     return max(1, min(16, 2**16 // block_n))
 
 
-def _prune_bwd(configs, named_args, **kwargs):
-    return _prune([c for c in configs if c.kwargs["PPS"] <= _max_pps(kwargs["BLOCK_N"])] or configs[:1],
-                  named_args, **kwargs)
+def _prune_bwd(configs, key, kwargs):
+    return _prune([c for c in configs if c.kwargs["PPS"] <= _max_pps(kwargs["BLOCK_N"])] or configs[:1], key, kwargs)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_cols"], prune_configs_by={"early_config_prune": _prune},
-                 do_bench=bench_for_autotune)
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr,
-    x_row_stride, y_row_stride, n_rows, n_cols, eps,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    x_row_stride, y_row_stride, n_rows, eps,
+    n_cols: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -66,13 +68,11 @@ def _rms_norm_fwd_kernel(
     tl.store(y_ptr + r[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["n_cols"], prune_configs_by={"early_config_prune": _prune_bwd},
-                 do_bench=bench_for_autotune)
 @triton.jit
 def _rms_norm_bwd_kernel(
     x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
-    x_row_stride, dy_row_stride, dx_row_stride, n_rows, n_cols,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, PPS: tl.constexpr,  # PPS: the grid's, read by the launcher
+    x_row_stride, dy_row_stride, dx_row_stride, n_rows,
+    n_cols: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     blocks_per_program = tl.cdiv(tl.cdiv(n_rows, ROWS), tl.num_programs(0))
@@ -80,7 +80,7 @@ def _rms_norm_bwd_kernel(
     cmask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for i in range(0, blocks_per_program):
+    for i in tl.range(0, blocks_per_program, num_stages=STAGES):
         r = (pid * blocks_per_program + i) * ROWS + tl.arange(0, ROWS)
         rmask = r < n_rows
         mask = rmask[:, None] & cmask[None, :]
@@ -114,8 +114,29 @@ def _check(x: Tensor, weight: Tensor) -> None:
         raise ValueError(f"x on {x.device}, weight on {weight.device}")
 
 
-_fwd = TunedLaunch(_rms_norm_fwd_kernel)
-_bwd = TunedLaunch(_rms_norm_bwd_kernel)
+def _rows(nbytes: int, n_cols: int, dtype: torch.dtype) -> int:
+    return max(1, nbytes // (n_cols * dtype.itemsize))
+
+
+def _fwd_example(key: tuple, nbytes: int, device: torch.device):
+    n_cols, x_dtype, w_dtype = key
+    x = torch.randn(_rows(nbytes, n_cols, x_dtype), n_cols, device=device, dtype=x_dtype)
+    w = torch.ones(n_cols, device=device, dtype=w_dtype)
+    return lambda: rms_norm_fwd(x, w, 1e-6)
+
+
+def _bwd_example(key: tuple, nbytes: int, device: torch.device):
+    n_cols, x_dtype, w_dtype, dy_dtype = key
+    n_rows = _rows(nbytes, n_cols, x_dtype)
+    x = torch.randn(n_rows, n_cols, device=device, dtype=x_dtype)
+    dy = torch.randn(n_rows, n_cols, device=device, dtype=dy_dtype)
+    w = torch.ones(n_cols, device=device, dtype=w_dtype)
+    rstd = torch.ones(n_rows, device=device, dtype=torch.float32)
+    return lambda: rms_norm_bwd(dy, x, w, rstd)
+
+
+_fwd = TunedLaunch(_rms_norm_fwd_kernel, _CONFIGS, _fwd_example, _prune)
+_bwd = TunedLaunch(_rms_norm_bwd_kernel, _BWD_CONFIGS, _bwd_example, _prune_bwd, grid_only=("PPS",))
 
 
 def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -128,8 +149,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
         _fwd((n_cols, x.dtype, weight.dtype), lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),),
-             x2, weight, y, rstd, x_rs, n_cols, n_rows, n_cols, eps,
-             BLOCK_N=_block(n_cols))
+             x2, weight, y, rstd, x_rs, n_cols, n_rows, eps, n_cols=n_cols, BLOCK_N=_block(n_cols))
     return y, rstd
 
 
@@ -148,7 +168,7 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[T
         return programs_for(triton.cdiv(n_rows, meta["ROWS"]), x.device, meta["PPS"])
 
     meta = _bwd((n_cols, x.dtype, weight.dtype, dy.dtype), lambda meta: (programs(meta),),
-                x2, weight, dy2, rstd, dx, dw_partial, x_rs, dy_rs, n_cols, n_rows, n_cols, BLOCK_N=block)
+                x2, weight, dy2, rstd, dx, dw_partial, x_rs, dy_rs, n_cols, n_rows, n_cols=n_cols, BLOCK_N=block)
     return dx, sum_partials(dw_partial[:programs(meta)], weight.dtype)
 
 

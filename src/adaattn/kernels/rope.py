@@ -5,13 +5,13 @@ B, S and H with the head dim contiguous, so a (B, H, S, D) tensor passes as ``t.
 and a slice of a fused qkv projection passes without a copy. cos, sin: (S, D/2) from one shared
 cache (``reference.rope_cache``), rotate-half convention. One program rotates every q and k head
 of TOKENS consecutive tokens, a (TOKENS, heads, D/2) tile per half, reading each cos/sin row
-once; TOKENS is autotuned on the head counts and head dim (many tokens per program when a token
+once; TOKENS is tuned on the head counts and head dim (many tokens per program when a token
 has few heads: one token of 4 heads x 128 is 1 KB, too little work for a program). Head counts
 and head dim are compile-time constants (one compile per attention shape of a model), so the
 head and head-dim masks fold away.
 
 QK-norm (Qwen3, OLMo2): RMSNorm over the head dim of each head with weights (D,), then the
-rotation. Its backward is a persistent grid (PPS programs per SM, autotuned) whose programs accumulate the two weight gradients
+rotation. Its backward is a persistent grid (PPS programs per SM, tuned) whose programs accumulate the two weight gradients
 in fp32 registers; the partials are summed in fp32 and cast once.
 """
 
@@ -23,9 +23,9 @@ import triton.language as tl
 from torch import Tensor
 
 from adaattn.kernels.partials import sum_partials
-from adaattn.kernels.runtime import TunedLaunch, bench_for_autotune, check_float, last_dim_contiguous, programs_for, tuned
+from adaattn.kernels.runtime import TunedLaunch, check_float, last_dim_contiguous, programs_for, tuned
 
-def _prune(configs, named_args, **kwargs):
+def _prune(configs, key, kwargs):
     """Keep tiles of TOKENS x heads x D/2 of at most 4096 elements per q or k half."""
     heads = max(kwargs["BLOCK_QH"], kwargs["BLOCK_KH"]) * kwargs["BLOCK_D2"]
     keep = [c for c in configs if c.kwargs["TOKENS"] * heads <= 4096 or c.kwargs["TOKENS"] == 1]
@@ -93,8 +93,6 @@ def _rotate_heads(x_ptr, o_ptr, b, s, tmask, x_sb, x_ss, x_sh, o_sb, o_ss, o_sh,
     _store_rotated(o_ptr, o_off, mask, half, x1, x2, cos, sin)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], prune_configs_by={"early_config_prune": _prune},
-                 do_bench=bench_for_autotune)
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
                  q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh, cs_rs,
@@ -126,8 +124,6 @@ def _norm_rotate_heads(x_ptr, o_ptr, w_ptr, rstd_ptr, b, s, tok, tmask, x_sb, x_
     _store_rotated(o_ptr, o_off, mask, half, x1 * rstd[:, :, None] * w1, x2 * rstd[:, :, None] * w2, cos, sin)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_qh", "n_kh", "half"], prune_configs_by={"early_config_prune": _prune},
-                 do_bench=bench_for_autotune)
 @triton.jit
 def _qk_norm_rope_fwd_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, wq_ptr, wk_ptr, rq_ptr, rk_ptr, cos_ptr, sin_ptr,
                              q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh, cs_rs,
@@ -173,8 +169,6 @@ def _norm_rotate_heads_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, b, s, tok, tm
     return tl.sum(tl.sum(dn1 * xh1, axis=1), axis=0), tl.sum(tl.sum(dn2 * xh2, axis=1), axis=0)
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["n_qh", "n_kh", "half"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=bench_for_autotune)
 @triton.jit
 def _qk_norm_rope_bwd_kernel(dq_ptr, dk_ptr, q_ptr, k_ptr, wq_ptr, wk_ptr, rq_ptr, rk_ptr, cos_ptr, sin_ptr,
                              dxq_ptr, dxk_ptr, dwq_ptr, dwk_ptr,
@@ -182,7 +176,7 @@ def _qk_norm_rope_bwd_kernel(dq_ptr, dk_ptr, q_ptr, k_ptr, wq_ptr, wk_ptr, rq_pt
                              dxq_sb, dxq_ss, dxq_sh, dxk_sb, dxk_ss, dxk_sh, cs_rs,
                              n_tokens, seq_len, n_qh: tl.constexpr, n_kh: tl.constexpr, half: tl.constexpr,
                              BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D2: tl.constexpr,
-                             TOKENS: tl.constexpr, PPS: tl.constexpr):  # PPS: the grid's, read by the launcher
+                             TOKENS: tl.constexpr):
     pid = tl.program_id(0)
     per_program = tl.cdiv(tl.cdiv(n_tokens, TOKENS), tl.num_programs(0))
     d = tl.arange(0, BLOCK_D2)
@@ -239,13 +233,34 @@ def _check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tens
     return last_dim_contiguous(q), last_dim_contiguous(k), cos, sin
 
 
-_rope = TunedLaunch(_rope_kernel)
-_qk_fwd = TunedLaunch(_qk_norm_rope_fwd_kernel)
-_qk_bwd = TunedLaunch(_qk_norm_rope_bwd_kernel)
+def _example(op: str):
+    """Tuning problems of one head shape: q (1, T, Hq, D), k (1, T, Hkv, D), T tokens for q's bytes."""
+    def example(key: tuple, nbytes: int, device: torch.device):
+        n_qh, n_kh, half, q_dtype, k_dtype, cs_dtype = key[:6]
+        tokens = max(1, nbytes // (n_qh * 2 * half * q_dtype.itemsize))
+        q = torch.randn(1, tokens, n_qh, 2 * half, device=device, dtype=q_dtype)
+        k = torch.randn(1, tokens, n_kh, 2 * half, device=device, dtype=k_dtype)
+        cos, sin = (torch.rand(tokens, half, device=device, dtype=cs_dtype) for _ in range(2))
+        if op == "rope":
+            return lambda: rope_apply(q, k, cos, sin)
+        wq, wk = (torch.ones(2 * half, device=device, dtype=dt) for dt in key[6:8])
+        if op == "qk_fwd":
+            return lambda: qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6)
+        dq, dk = torch.randn_like(q, dtype=key[8]), torch.randn_like(k, dtype=key[9])
+        rq = torch.ones(tokens * n_qh, device=device, dtype=torch.float32)
+        rk = torch.ones(tokens * n_kh, device=device, dtype=torch.float32)
+        return lambda: qk_norm_rope_bwd(dq, dk, q, k, wq, wk, rq, rk, cos, sin)
+
+    return example
+
+
+_rope = TunedLaunch(_rope_kernel, _CONFIGS, _example("rope"), _prune)
+_qk_fwd = TunedLaunch(_qk_norm_rope_fwd_kernel, _CONFIGS, _example("qk_fwd"), _prune)
+_qk_bwd = TunedLaunch(_qk_norm_rope_bwd_kernel, _BWD_CONFIGS, _example("qk_bwd"), _prune, grid_only=("PPS",))
 
 
 def _key(q: Tensor, k: Tensor, cos: Tensor, *more: Tensor) -> tuple:
-    """What the autotuner keys on: head counts, half the head dim, and the dtypes."""
+    """What the tuning is keyed on: head counts, half the head dim, and the dtypes."""
     return (q.shape[2], k.shape[2], q.shape[3] // 2, q.dtype, k.dtype, cos.dtype, *(t.dtype for t in more))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -135,37 +136,112 @@ def tuned(configs: list) -> list:
     return configs[:1] if interpreter() else configs
 
 
-def bench_for_autotune(kernel_call, quantiles):
-    """Autotuning on a short budget: every config of every new hidden size is timed once per process."""
-    import triton.testing
+TUNE_MIB = (4, 16, 64)  # the tuning problems: the main input of each is this many MiB
 
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+def worst_case_pick(table: list[list[float]]) -> int:
+    """Index of the config whose worst ratio (fastest time at a size / its time there) over the
+    sizes is the largest; ties go to the smaller total time. ``table[config][size]``: times, inf
+    for a config that cannot run."""
+    best = [min(col) for col in zip(*table)]
+    def score(i: int) -> tuple[float, float]:
+        return min(b / t for b, t in zip(best, table[i])), -sum(table[i])
+    return max(range(len(table)), key=score)
 
 
 class TunedLaunch:
-    """Launch an autotuned kernel with its tuned config looked up once per key.
+    """Launch a Triton kernel with a config tuned once per key (the hidden size, or the head counts
+    and head dim, and the dtypes), never per number of rows or tokens.
 
-    Triton's ``Autotuner.run`` rebuilds its key from every argument on every call: 22 us of host
-    time on the H100 host (Triton 3.6), as much as the launch itself, for kernels that run in a few
-    us. The launcher passes its own key instead (the values the autotuner is keyed on plus the
-    dtypes, as the autotuner keys them). The first call of a key goes through the autotuner, which
-    tunes and runs; later calls launch the JIT function with the config it chose, so the kernel and
-    its config are the same either way.
+    Tuning: every config of a new key is timed on synthetic problems of that key whose main input
+    is ``TUNE_MIB`` MiB each. ``example(key, nbytes, device)`` builds one problem and returns the
+    call that runs it through the public launcher, so a backward's partial-sum launch is timed with
+    it. Each config runs captured in a CUDA graph over enough copies of the problem to cover twice
+    the L2 cache: no host time and no cache reuse in the times. The config kept is the one whose
+    worst ratio to the fastest config at each size is best (``worst_case_pick``).
+
+    Why not ``triton.autotune``: it tunes on the first call's arguments, so the config depends on
+    the first call's token count (one tuned at 2K tokens can be far off at 64K); it times each
+    config with CUDA events per call, whose noise at a few-us kernel exceeds the differences
+    between configs; and it rebuilds its key from every argument on every call (22 us of host time
+    on the H100 host with Triton 3.6). Here a call of a known key is one dict lookup and the launch.
+
+    Config kwargs named in ``grid_only`` shape the grid (read by the launcher's grid function) and
+    are not passed to the kernel: they cost no compilation. In the interpreter, or while a CUDA
+    graph is being captured, the first config runs untimed (not kept in the latter case).
     """
 
-    def __init__(self, kernel: Any):
-        self.kernel = kernel
-        self.jit = kernel.fn
+    def __init__(self, kernel: Any, configs: list, example: Callable[[tuple, int, torch.device], Callable[[], object]],
+                 prune: Callable[[list, tuple, dict], list] | None = None, grid_only: tuple[str, ...] = ()):
+        self.jit = kernel
+        self.configs = tuned(configs)
+        self.example = example
+        self.prune = prune
+        self.grid_only = grid_only
         self.chosen: dict[tuple, dict[str, Any]] = {}
+        self.timings: dict[tuple, list[tuple[dict[str, Any], list[float]]]] = {}  # key -> (meta, ms per size)
+        self._forced: dict[str, Any] | None = None
 
     def __call__(self, key: tuple, grid: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Launch; returns the config's meta-parameters it ran with (for grids that depend on them)."""
-        meta = self.chosen.get(key)
-        if meta is None:
-            self.kernel[grid](*args, **kwargs)
-            best = self.kernel.best_config
-            if best.pre_hook is None:
-                self.chosen[key] = best.all_kwargs()
-            return best.all_kwargs()
-        self.jit[grid(meta) if callable(grid) else grid](*args, **kwargs, **meta)
+        meta = self._forced or self.chosen.get(key) or self._choose(key, args, kwargs)
+        launch = {k: v for k, v in meta.items() if k not in self.grid_only}
+        self.jit[grid(meta) if callable(grid) else grid](*args, **kwargs, **launch)
         return meta
+
+    def _choose(self, key: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:
+        configs = self.prune(self.configs, key, kwargs) if self.prune else self.configs
+        metas = [c.all_kwargs() for c in configs] or [self.configs[0].all_kwargs()]
+        if len(metas) > 1 and not interpreter():
+            if torch.cuda.is_current_stream_capturing():
+                return metas[0]
+            device = next(a.device for a in args if isinstance(a, Tensor))
+            with torch.cuda.device(device):
+                times = self._time(key, metas, device)
+            self.timings[key] = list(zip(metas, times))
+            metas = [metas[worst_case_pick(times)]]
+        self.chosen[key] = metas[0]
+        return metas[0]
+
+    def _time(self, key: tuple, metas: list[dict[str, Any]], device: torch.device) -> list[list[float]]:
+        """ms per call of each config (rows) at each tuning size (columns); inf where it cannot run."""
+        from triton.runtime.errors import OutOfResources
+
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20)
+        times: list[list[float]] = [[] for _ in metas]
+        for mib in TUNE_MIB:
+            nbytes = mib * 2**20
+            problems = [self.example(key, nbytes, device) for _ in range(max(2, -(-2 * l2 // nbytes)))]
+            for meta, row in zip(metas, times):
+                self._forced = meta
+                try:
+                    row.append(_graph_ms(problems))
+                except OutOfResources:
+                    row.append(float("inf"))
+                finally:
+                    self._forced = None
+            del problems
+        return times
+
+
+def _graph_ms(problems: list[Callable[[], object]], min_calls: int = 32, replays: int = 3) -> float:
+    """ms per call of the problems run round-robin inside one CUDA graph (best of ``replays``)."""
+    for p in problems:  # compiles the config (outside the capture)
+        p()
+    torch.cuda.synchronize()
+    reps = max(1, -(-min_calls // len(problems)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for p in problems:
+                p()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best / (reps * len(problems))

@@ -5,7 +5,7 @@ with no per-row index math and no partly masked tile at the end of every row (11
 a and b may also be strided rows, e.g. the two halves of one fused gate/up projection (row stride
 2N): nothing is copied for them; that kernel walks tiles of ROWS x BLOCK_N. Math in fp32. Backward:
 da = dc * b * s * (1 + a * (1 - s)), db = dc * a * s, with s = sigmoid(a).
-Autotuned on the hidden size (and dtype), never on the number of rows.
+Tuned on the hidden size (and dtype), never on the number of rows (``runtime.TunedLaunch``).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from adaattn.kernels.runtime import TunedLaunch, bench_for_autotune, check_float, flat_rows, tuned
+from adaattn.kernels.runtime import TunedLaunch, check_float, flat_rows, tuned
 
 
-def _prune(configs, named_args, **kwargs):
-    block = triton.next_power_of_2(named_args["n_cols"])
+def _prune(configs, key, kwargs):
+    block = triton.next_power_of_2(key[0])
     keep = [c for c in configs if c.kwargs["BLOCK_N"] <= max(block, 256)]
     return keep or configs[:1]
 
@@ -44,10 +44,8 @@ def _silu_mul_grads(dc, a, b):
     return dc * b * s * (1.0 + a * (1.0 - s)), dc * a * s
 
 
-@triton.autotune(configs=_FLAT_CONFIGS, key=["n_cols"], do_bench=bench_for_autotune)
 @triton.jit
-def _swiglu_fwd_flat_kernel(a_ptr, b_ptr, c_ptr, n, n_cols, BLOCK: tl.constexpr):
-    """n_cols: the autotune key only (the hidden size); the kernel sees n elements in a row."""
+def _swiglu_fwd_flat_kernel(a_ptr, b_ptr, c_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     a = tl.load(a_ptr + i, mask=mask, other=0.0).to(tl.float32)
@@ -55,9 +53,8 @@ def _swiglu_fwd_flat_kernel(a_ptr, b_ptr, c_ptr, n, n_cols, BLOCK: tl.constexpr)
     tl.store(c_ptr + i, _silu_mul(a, b).to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_FLAT_CONFIGS, key=["n_cols"], do_bench=bench_for_autotune)
 @triton.jit
-def _swiglu_bwd_flat_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, n_cols, BLOCK: tl.constexpr):
+def _swiglu_bwd_flat_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     dc = tl.load(dc_ptr + i, mask=mask, other=0.0).to(tl.float32)
@@ -68,8 +65,6 @@ def _swiglu_bwd_flat_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, n_cols, BLO
     tl.store(db_ptr + i, db.to(db_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_cols"], prune_configs_by={"early_config_prune": _prune},
-                 do_bench=bench_for_autotune)
 @triton.jit
 def _swiglu_fwd_kernel(a_ptr, b_ptr, c_ptr, a_rs, b_rs, c_rs, n_rows, n_cols,
                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -81,8 +76,6 @@ def _swiglu_fwd_kernel(a_ptr, b_ptr, c_ptr, a_rs, b_rs, c_rs, n_rows, n_cols,
     tl.store(c_ptr + r[:, None] * c_rs + cols[None, :], _silu_mul(a, b).to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n_cols"], prune_configs_by={"early_config_prune": _prune},
-                 do_bench=bench_for_autotune)
 @triton.jit
 def _swiglu_bwd_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, dc_rs, a_rs, b_rs, da_rs, db_rs, n_rows, n_cols,
                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -108,10 +101,27 @@ def _check(a: Tensor, b: Tensor) -> None:
                          f"{a.device} and {tuple(b.shape)} {b.dtype} {b.device}")
 
 
-_fwd = TunedLaunch(_swiglu_fwd_kernel)
-_bwd = TunedLaunch(_swiglu_bwd_kernel)
-_fwd_flat = TunedLaunch(_swiglu_fwd_flat_kernel)
-_bwd_flat = TunedLaunch(_swiglu_bwd_flat_kernel)
+def _example(strided: bool, backward: bool):
+    """Tuning problems: a and b of (rows, N), contiguous, or the two halves of one (rows, 2N) tensor."""
+    def example(key: tuple, nbytes: int, device: torch.device):
+        n_cols, dtype = key[:2]
+        rows = max(1, nbytes // (n_cols * dtype.itemsize))
+        if strided:
+            a, b = torch.randn(rows, 2 * n_cols, device=device, dtype=dtype).chunk(2, dim=-1)
+        else:
+            a, b = (torch.randn(rows, n_cols, device=device, dtype=dtype) for _ in range(2))
+        if not backward:
+            return lambda: swiglu_fwd(a, b)
+        dc = torch.randn(rows, n_cols, device=device, dtype=key[2])
+        return lambda: swiglu_bwd(dc, a, b)
+
+    return example
+
+
+_fwd = TunedLaunch(_swiglu_fwd_kernel, _CONFIGS, _example(True, False), _prune)
+_bwd = TunedLaunch(_swiglu_bwd_kernel, _CONFIGS, _example(True, True), _prune)
+_fwd_flat = TunedLaunch(_swiglu_fwd_flat_kernel, _FLAT_CONFIGS, _example(False, False))
+_bwd_flat = TunedLaunch(_swiglu_bwd_flat_kernel, _FLAT_CONFIGS, _example(False, True))
 
 
 def _flat_grid(n: int):
@@ -125,7 +135,7 @@ def swiglu_fwd(a: Tensor, b: Tensor) -> Tensor:
     if not n:
         return c
     if a.is_contiguous() and b.is_contiguous():
-        _fwd_flat((n_cols, a.dtype), _flat_grid(n), a, b, c, n, n_cols)
+        _fwd_flat((n_cols, a.dtype), _flat_grid(n), a, b, c, n)
         return c
     (a2, a_rs), (b2, b_rs) = flat_rows(a), flat_rows(b)
     n_rows = n // n_cols
@@ -140,7 +150,7 @@ def swiglu_bwd(dc: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     if not n:
         return da, db
     if a.is_contiguous() and b.is_contiguous() and dc.is_contiguous():
-        _bwd_flat((n_cols, a.dtype, dc.dtype), _flat_grid(n), dc, a, b, da, db, n, n_cols)
+        _bwd_flat((n_cols, a.dtype, dc.dtype), _flat_grid(n), dc, a, b, da, db, n)
         return da, db
     (a2, a_rs), (b2, b_rs), (dc2, dc_rs) = flat_rows(a), flat_rows(b), flat_rows(dc)
     n_rows = n // n_cols
