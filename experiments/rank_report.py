@@ -4,6 +4,7 @@ table only (see ``rank.py``)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -13,14 +14,18 @@ from adaattn.report.common import Section, Verdict, fmt, md_table, save_figure
 
 GOAL_SPEEDUP = 2.0  # low-rank at rank <= S/16 at least 2x faster than the best exact backend ...
 GOAL_MIN_LEN = 8192  # ... at S >= 8192
+# the fused Nyström kernels (attention/nystrom_triton.py); the recorded names are a call's top 3
+FUSED = re.compile(r"\b(_landmarks|_bv_partial|_landmark_solve|_nystrom_out)\b")
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     runs = df[(df["case_id"] != "machine")]
     ok = runs[runs["status"] == "ok"]
-    timed = ok[ok["metric"].isin(["time_ms", "rel_l2"])].pivot_table(
+    timed = ok[ok["metric"].isin(["time_ms", "kernel_ms", "rel_l2"])].pivot_table(
         index=["target", "hardware", "case_id", "inputs", "true_rank", "seq_len"], columns=["metric", "provider"],
         values="value")
+    # which Nyström implementation ran (the harness records the kernels of each timed call)
+    names = ok[ok["metric"] == "time_ms"].set_index(["case_id", "provider"])["kernel"].fillna("")
     tol = _tolerance(df)
     parts, rows, goal_rows = [], [], []
     err = ok[(ok["metric"] == "rel_l2") & ok["provider"].str.startswith("nystrom-")].copy()
@@ -49,6 +54,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     for idx, r in timed.iterrows():
         target, hw, case_id, inputs, true_rank, S = idx
         times, errs = r["time_ms"].dropna(), r["rel_l2"].dropna()
+        ktimes = r["kernel_ms"].dropna() if "kernel_ms" in r.index.get_level_values(0) else pd.Series(dtype=float)
         exact = [p for p in times.index if not p.startswith("nystrom-") and p != "policy"]
         best = min(exact, key=lambda p: times[p]) if exact else None
         ny = sorted((int(p.removeprefix("nystrom-")) for p in errs.index if p.startswith("nystrom-")))
@@ -66,24 +72,36 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                      "best exact": best or "-", "best exact ms": fmt(times.get(best)) if best else "-"})
         if best and S >= GOAL_MIN_LEN:
             for n in ny:
-                if n <= S // 16 and f"nystrom-{n}" in times:
-                    goal_rows.append({"target": target, "hardware": hw, "inputs": inputs, "S": int(S), "landmarks": n,
-                                      "speedup vs best exact": times[best] / times[f"nystrom-{n}"],
-                                      "rel L2 paid": errs.get(f"nystrom-{n}"), "best exact": best})
+                p = f"nystrom-{n}"
+                if n <= S // 16 and p in times:
+                    kbest = min(exact, key=lambda e: ktimes.get(e, float("inf"))) if len(ktimes) else None
+                    goal_rows.append({
+                        "target": target, "hardware": hw, "inputs": inputs, "S": int(S), "landmarks": n,
+                        "path": "fused Triton" if FUSED.search(names.get((case_id, p), "")) else "PyTorch",
+                        "speedup vs best exact": times[best] / times[p],
+                        "speedup by kernel time": (ktimes[kbest] / ktimes[p] if kbest in ktimes and p in ktimes
+                                                   else float("nan")),
+                        "rel L2 paid": errs.get(p), "best exact": best})
     goal = pd.DataFrame(goal_rows)
     verdicts = []
     for (target, hw), f in goal.groupby(["target", "hardware"]) if len(goal) else []:
-        miss = f[f["speedup vs best exact"] < GOAL_SPEEDUP]
-        verdicts.append(Verdict(
-            "G2-C1", f"goal: low-rank path (landmarks <= S/16) >= {GOAL_SPEEDUP}x the best exact backend at "
-            f"S >= {GOAL_MIN_LEN}", "(issue goal)",
-            f"{f['speedup vs best exact'].min():.2f}-{f['speedup vs best exact'].max():.2f}x over {len(f)} points; "
-            f"{len(miss)} below {GOAL_SPEEDUP}x", hw, "holds" if miss.empty else "does not hold",
-            f"error paid: rel L2 {f['rel L2 paid'].min():.2g}-{f['rel L2 paid'].max():.2g} (see the table)"))
+        for col, basis in (("speedup vs best exact", "time per call"), ("speedup by kernel time", "kernel time")):
+            x = f[col].dropna()
+            if x.empty:
+                continue
+            miss = f[f[col] < GOAL_SPEEDUP]
+            holds = f[f[col] >= GOAL_SPEEDUP]
+            verdicts.append(Verdict(
+                "G2-C1", f"goal: low-rank path (landmarks <= S/16) >= {GOAL_SPEEDUP}x the best exact backend at "
+                f"S >= {GOAL_MIN_LEN}, by {basis}", "(issue goal)",
+                f"{x.min():.2f}-{x.max():.2f}x over {len(x)} points; {len(miss)} below {GOAL_SPEEDUP}x"
+                + (f" (holds up to {int(holds['landmarks'].max())} landmarks at some S)" if len(holds) else ""),
+                hw, "holds" if miss.empty else "does not hold",
+                f"error paid: rel L2 {f['rel L2 paid'].min():.2g}-{f['rel L2 paid'].max():.2g} (see the table)"))
     shown = goal.drop(columns=["hardware"]).copy() if len(goal) else goal
     if len(shown):
-        shown["speedup vs best exact"] = shown["speedup vs best exact"].map(fmt)
-        shown["rel L2 paid"] = shown["rel L2 paid"].map(fmt)
+        for col in ("speedup vs best exact", "speedup by kernel time", "rel L2 paid"):
+            shown[col] = shown[col].map(fmt)
     md = ("\n".join(parts) + "\nPer case: the estimators (mean over heads), the policy's choice and error, the "
           f"oracle (fewest landmarks of the sweep with rel L2 <= {tol:g}), and the best exact backend.\n\n"
           + md_table(pd.DataFrame(rows)) + "\n\n"

@@ -143,3 +143,27 @@ def test_g2_t1_is_a_cpu_table():
     params, _ = load_params(PARAMS)
     with pytest.raises(ValueError, match="CPU table"):
         CPU_BASELINE.bind("cuda").cases(params, params.targets["h100"])
+
+
+def test_rank_goal_reads_both_timings_and_names_the_path(tmp_path):
+    """The low-rank goal table at S >= 8192: speedup by time per call and by kernel time, and which
+    Nyström implementation ran (from the recorded kernel names)."""
+    from adaattn_experiments.rank import STUDY as RANK
+    from adaattn_experiments.rank_report import render as render_rank
+
+    params, _ = _params(**{"G2-C1.cpu.seq_lens": [256], "G2-C1.cpu.ranks": [8, 16], "G2-C1.cpu.true_ranks": [8],
+                           "G2-C1.cpu.exact_providers": ["sdpa"], "G2-C1.cpu.random_inputs": False,
+                           "G2-C1.cpu.cluster_layouts": ["contiguous"]})
+    df = _run(RANK, params)
+    df.loc[df["seq_len"] == 256, "seq_len"] = 8192  # as if measured at S = 8192 (landmarks <= S/16)
+    times = df[(df["metric"] == "time_ms") & (df["case_id"] != "machine")]
+    fused = times["provider"] == "nystrom-8"
+    df.loc[times.index[fused], "kernel"] = "_landmark_solve | _nystrom_out | _bv_partial"
+    df.loc[times.index[times["provider"] == "nystrom-16"], "kernel"] = "sgemm | softmax"
+    kernel = times.assign(metric="kernel_ms", value=times["value"].where(~fused, times["value"] / 1e3))
+    (section,) = render_rank(pd.concat([df, kernel], ignore_index=True), tmp_path)
+    goal = section.markdown.split("### Goal")[1]
+    cells = {c.strip() for line in goal.splitlines() for c in line.split("|")}
+    assert {"fused Triton", "PyTorch", "speedup by kernel time"} <= cells
+    bases = {v.claim.rsplit("by ", 1)[1] for v in section.verdicts}
+    assert bases == {"time per call", "kernel time"}

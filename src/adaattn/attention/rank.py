@@ -13,7 +13,9 @@ contiguous segments of Q and K). Chosen over the alternatives because a drop-in 
 with pretrained weights and no training: Linformer-style learned projections need training, and
 a PCA projection of keys and values costs an SVD per call (O(S D^2)) and is exact only for the
 values, not for the softmax. Nyström costs O(S r D) plus an r x r pseudo-inverse, and needs
-neither. It has no causal or padding form here: with a mask, the exact path runs.
+neither. It has no causal or padding form here: with a mask, the exact path runs. Without
+autograd, on a device the Triton kernels run on, the forward is three fused launches
+(``nystrom_triton``; ``nystrom_path`` says which implementation runs and why).
 
 Policy (``choose_rank``, what ``rank_mode="auto"`` runs on the first call of a signature): the
 sampled spectrum rank r_est of every head; if the largest is clearly low (at most half the
@@ -29,6 +31,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from adaattn.kernels.runtime import get_kernel_status, use_triton
 
 
 def sample_rows(n: int, rows: int, device) -> Tensor:
@@ -60,12 +64,13 @@ def estimate_rank(q: Tensor, k: Tensor, sample_rows: int = 64, energy: float = 0
 
 
 def _segment_means(x: Tensor, r: int) -> Tensor:
-    """(B, H, S, D) -> (B, H, r, D) fp32: means of r contiguous segments (sizes differ by at most
-    one). When r divides S, one mean over a (B, H, r, S/r, D) view; otherwise prefix sums."""
+    """(B, H, S, D) -> (B, H, r, D) fp32: means of r contiguous segments, segment i the rows
+    floor(i S / r) .. floor((i + 1) S / r) - 1 (sizes differ by at most one). When r divides S,
+    one mean over a (B, H, r, S/r, D) view; otherwise prefix sums."""
     B, H, S, D = x.shape
     if S % r == 0:
         return x.view(B, H, r, S // r, D).mean(3, dtype=torch.float32)
-    bounds = torch.linspace(0, S, r + 1, device=x.device).round().long()
+    bounds = torch.arange(r + 1, device=x.device) * S // r
     csum = torch.nn.functional.pad(x.float().cumsum(2), (0, 0, 1, 0))
     sums = csum[:, :, bounds[1:]] - csum[:, :, bounds[:-1]]
     return sums / (bounds[1:] - bounds[:-1]).clamp_min(1)[:, None].float()
@@ -87,6 +92,10 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float |
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
     rank = min(rank, L, S)
+    if nystrom_path(q, k, v, rank) == "triton":
+        from adaattn.attention.nystrom_triton import nystrom_forward
+
+        return nystrom_forward(q, k, v, rank, scale, pinv_iters, rows=rows)
     ql = _segment_means(q, rank)  # (B, Hq, r, D) fp32
     # key landmarks rounded to the input dtype for q K~^T; the r x r kernel is built from the same
     # rounded values, or its pseudo-inverse amplifies the mismatch
@@ -101,6 +110,21 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float |
     b = torch.softmax(ql.reshape(B, Hkv, g * rank, D) @ kf.transpose(-2, -1) * scale, dim=-1)
     bv = (b @ vf).reshape(B, Hq, rank, D)
     return (f @ (_pinv(a, pinv_iters) @ bv)).to(q.dtype)
+
+
+def nystrom_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
+    """Which implementation ``nystrom_attention`` runs for these inputs: "triton" (three fused
+    launches, forward only: ``nystrom_triton``) or "torch: <why not triton>" (differentiable)."""
+    if not use_triton(q, k, v):
+        return f"torch: {get_kernel_status()['reason'] or 'Triton kernels cannot run on ' + q.device.type}"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return "torch: autograd needs the graph (the Triton path is forward only)"
+    if torch.compiler.is_compiling():
+        return "torch: under torch.compile"
+    from adaattn.attention.nystrom_triton import supported
+
+    why = supported(q, min(rank, q.shape[2], k.shape[2]))
+    return "triton" if why is None else f"torch: {why}"
 
 
 def _pinv(a: Tensor, iters: int) -> Tensor:

@@ -1,0 +1,125 @@
+"""The fused Nyström forward (attention/nystrom_triton.py) against the PyTorch path, and which path runs.
+
+On a CPU machine the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
+The interpreter rounds fp32 to bf16 by truncation (a GPU rounds to nearest even), so bf16 outputs
+here differ from the PyTorch path by up to about twice bf16's rounding.
+"""
+
+import math
+
+import pytest
+import torch
+
+import adaattn.attention.rank as rank_mod
+from adaattn.attention.nystrom_triton import MAX_HEAD_DIM, MAX_RANK
+from adaattn.attention.rank import _pinv, _segment_means, nystrom_attention, nystrom_path
+from adaattn.kernels import set_use_triton_kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # relative L2 vs the torch path
+
+
+def _qkv(B, Hq, Hkv, L, S, D, dtype, strided=False):
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(B, L, Hq, D, generator=g, device=DEVICE).to(dtype).transpose(1, 2)  # (B, H, L, D) view
+    q = q if strided else q.contiguous()
+    k, v = (torch.randn(B, Hkv, S, D, generator=g, device=DEVICE).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _torch_path(monkeypatch_ctx, *args, **kw):
+    with monkeypatch_ctx.context() as m:
+        m.setattr(rank_mod, "use_triton", lambda *t: False)
+        assert nystrom_path(*args[:3], args[3]).startswith("torch")
+        return nystrom_attention(*args, **kw)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", [
+    (1, 2, 2, 64, 64, 16, 8),     # r | S, one head each
+    (2, 4, 2, 100, 130, 24, 12),  # GQA 2:1, uneven segments, L != S, head dim not a power of two
+    (1, 4, 1, 96, 200, 64, 33),   # GQA 4:1 (MQA), odd rank
+    (1, 2, 2, 80, 300, 40, 80),   # landmarks = all query rows
+], ids=["plain", "gqa-uneven", "mqa-odd-rank", "r-equals-L"])
+def test_fused_matches_the_torch_path(shape, dtype):
+    B, Hq, Hkv, L, S, D, r = shape
+    q, k, v = _qkv(B, Hq, Hkv, L, S, D, dtype, strided=True)
+    assert nystrom_path(q, k, v, r) == "triton"
+    out = nystrom_attention(q, k, v, r)
+    ref = _torch_path(pytest.MonkeyPatch(), q, k, v, r)
+    assert out.shape == ref.shape == (B, Hq, L, D) and out.dtype == dtype
+    assert _rel(out, ref) < RTOL[dtype]
+
+
+def test_fused_rows_and_max_rank():
+    q, k, v = _qkv(1, 2, 1, MAX_RANK + 8, 2 * MAX_RANK, 32, torch.float32)
+    rows = torch.tensor([0, 7, MAX_RANK + 7], device=DEVICE)
+    out = nystrom_attention(q, k, v, MAX_RANK, rows=rows)
+    full = nystrom_attention(q, k, v, MAX_RANK)
+    assert out.shape == (1, 2, 3, 32)
+    torch.testing.assert_close(out, full[:, :, rows], atol=1e-6, rtol=1e-5)
+    assert _rel(full, _torch_path(pytest.MonkeyPatch(), q, k, v, MAX_RANK)) < 1e-4
+
+
+def test_fused_equals_float64_nystrom_on_its_own_landmarks():
+    """Every fp32 step of the fused path (tf32x3 products) against the same maths in float64."""
+    q, k, v = _qkv(1, 2, 2, 96, 160, 32, torch.float32)
+    r, sc = 20, 1 / math.sqrt(32)
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    ql, kl = _segment_means(qd, r).double(), _segment_means(kd, r).double()
+    sm = lambda x: torch.softmax(x * sc, -1)  # noqa: E731
+    ref = sm(qd @ kl.mT) @ (_pinv(sm(ql @ kl.mT), 6) @ (sm(ql @ kd.mT) @ vd))
+    assert _rel(nystrom_attention(q, k, v, r), ref) < 1e-5
+
+
+def test_path_choice_and_reasons():
+    q, k, v = _qkv(1, 2, 2, 64, 64, 16, torch.float32)
+    assert nystrom_path(q, k, v, 8) == "triton"
+    assert "autograd" in nystrom_path(q.requires_grad_(), k, v, 8)
+    with torch.no_grad():
+        assert nystrom_path(q, k, v, 8) == "triton"
+    q = q.detach()
+    wide = torch.randn(1, 2, 512, 16, device=DEVICE)
+    assert f"rank {MAX_RANK + 1} > {MAX_RANK}" in nystrom_path(wide, wide, wide, MAX_RANK + 1)
+    assert nystrom_path(wide, wide, wide, MAX_RANK + 1).startswith("torch")
+    big_d = torch.randn(1, 1, 32, MAX_HEAD_DIM + 8, device=DEVICE)
+    assert f"head dim {MAX_HEAD_DIM + 8}" in nystrom_path(big_d, big_d, big_d, 4)
+    d128 = torch.randn(1, 1, 256, 128, device=DEVICE)
+    assert "rank 128 x head dim 128" in nystrom_path(d128, d128, d128, 128)
+    assert nystrom_path(d128, d128, d128, 64) == "triton"
+    set_use_triton_kernels(False)
+    try:
+        assert "set_use_triton_kernels(False)" in nystrom_path(q, k, v, 8)
+    finally:
+        set_use_triton_kernels(True)
+
+
+def test_backward_runs_the_differentiable_path():
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 2, 64, 64, 16, torch.float32))
+    nystrom_attention(q, k, v, 8).sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,D,r", [(torch.bfloat16, 64, 16), (torch.bfloat16, 64, 64), (torch.bfloat16, 64, 128),
+                                       (torch.bfloat16, 128, 64), (torch.float16, 128, 32), (torch.float32, 128, 64),
+                                       (torch.float32, 64, 16)])
+def test_fused_long_sequence_on_cuda(dtype, D, r):
+    """S = 8192, GQA 4:1: the fused path within its output dtype's rounding of float64 Nyström on
+    the same landmarks (every launch configuration of the fixed table compiles and runs)."""
+    q, k, v = _qkv(1, 8, 2, 8192, 8192, D, dtype)
+    sc = 1 / math.sqrt(D)
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    ql = _segment_means(q, r).double()
+    kl = _segment_means(k, r).to(k.dtype).double().repeat_interleave(4, 1)
+    kd, vd = kd.repeat_interleave(4, 1), vd.repeat_interleave(4, 1)
+    sm = lambda x: torch.softmax(x * sc, -1)  # noqa: E731
+    ref = sm(qd @ kl.mT) @ (_pinv(sm(ql @ kl.mT), 6) @ (sm(ql @ kd.mT) @ vd))
+    out = nystrom_attention(q, k, v, r)
+    assert nystrom_path(q, k, v, r) == "triton"
+    rounding = _rel(ref.to(dtype), ref)
+    assert _rel(out, ref) < 2 * rounding + (1e-5 if dtype == torch.float32 else 1e-3)
