@@ -71,10 +71,10 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                      f"oracle landmarks (rel L2 <= {tol:g})": oracle or "none",
                      "best exact": best or "-", "best exact ms": fmt(times.get(best)) if best else "-"})
         if best and S >= GOAL_MIN_LEN:
+            kbest = min(exact, key=lambda e: ktimes.get(e, float("inf"))) if len(ktimes) else None
             for n in ny:
                 p = f"nystrom-{n}"
                 if n <= S // 16 and p in times:
-                    kbest = min(exact, key=lambda e: ktimes.get(e, float("inf"))) if len(ktimes) else None
                     goal_rows.append({
                         "target": target, "hardware": hw, "inputs": inputs, "S": int(S), "landmarks": n,
                         "path": "fused Triton" if FUSED.search(names.get((case_id, p), "")) else "PyTorch",
