@@ -81,3 +81,71 @@ def test_kernel_time_is_the_device_share_of_a_call():
         return x * 2
 
     assert kernel_time_ms(host_bound, 5).p50 < 0.1 < CudaTimer(warmup_ms=5, rep_ms=20)(host_bound).p50
+
+
+def test_direct_launch_matches_tritons_launch():
+    """The cached direct launch gives Triton's own results, also when a later call changes what
+    Triton specialises on (an unaligned slice, a stride of 1): each gets its own compiled kernel."""
+    import importlib
+
+    from adaattn import kernels as K
+    from adaattn.kernels import runtime
+
+    rope = importlib.import_module("adaattn.kernels.rope")
+
+    cos, sin = K.rope_cache(64, 128, device="cuda")
+    base = torch.randn(2, 64, 9, 128, device="cuda", dtype=torch.bfloat16)
+    flat = torch.randn(3 + base.numel(), device="cuda", dtype=torch.bfloat16)
+    unaligned = flat[3:].view(base.shape)  # 6 bytes past a 16-byte boundary
+    assert unaligned.data_ptr() % 16
+    cases = [(base[:, :, :8], base[:, :, 8:]), (unaligned[:, :, :8], unaligned[:, :, 8:]),
+             (base[:1, :1, :8], base[:1, :1, 8:])]
+    before = len(rope._rope.launch.compiled)
+    for q, k in cases:
+        direct = [K.apply_rope(q, k, cos, sin) for _ in range(2)]  # the second call launches directly
+        runtime.set_direct_launch(False)
+        try:
+            plain = K.apply_rope(q, k, cos, sin)
+        finally:
+            runtime.set_direct_launch(True)
+        for d in direct:
+            for a, b in zip(d, plain, strict=True):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert len(rope._rope.launch.compiled) >= before + len(cases)
+
+
+def test_tuning_times_kernels_from_a_trace():
+    """A new key is tuned on kernel times from a CUPTI trace: one finite time per config and size."""
+    import importlib
+
+    from adaattn.kernels import runtime
+
+    rms_norm = importlib.import_module("adaattn.kernels.rms_norm")
+    x, w = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16), torch.ones(1000, device="cuda")
+    rms_norm.rms_norm_fwd(x, w, 1e-6)
+    timings = rms_norm._fwd.timings[(1000, torch.bfloat16, torch.float32)]
+    assert len(timings) > 1 and all(len(t) == len(runtime.TUNE_MIB) for _, t in timings)
+    assert all(0 < ms < 1 for _, t in timings for ms in t)
+    chosen = rms_norm._fwd.chosen[(1000, torch.bfloat16, torch.float32)]
+    assert len(chosen) == len(runtime.TUNE_MIB)
+    for j, meta in enumerate(chosen):  # the fastest config at each tuning size
+        assert next(t[j] for m, t in timings if m == meta) == min(t[j] for _, t in timings)
+
+
+def test_tuning_inside_a_profiler_times_cuda_graphs():
+    """While another profiler runs (no second trace can start), tuning times configs in CUDA graphs."""
+    import importlib
+
+    rms_norm = importlib.import_module("adaattn.kernels.rms_norm")
+    x, w = torch.randn(64, 1001, device="cuda", dtype=torch.bfloat16), torch.ones(1001, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+        y, _ = rms_norm.rms_norm_fwd(x, w, 1e-6)
+    timings = rms_norm._fwd.timings[(1001, torch.bfloat16, torch.float32)]
+    assert len(timings) > 1 and all(0 < ms < 1 for _, t in timings for ms in t)
+    torch.testing.assert_close(y.float(), rms_norm_ref_fp32(x, w), atol=2e-2, rtol=2e-2)
+
+
+def rms_norm_ref_fp32(x, w):
+    from adaattn.kernels.reference import rms_norm_ref
+
+    return rms_norm_ref(x.float(), w.float(), 1e-6)

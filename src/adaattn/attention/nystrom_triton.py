@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from adaattn.kernels.runtime import interpreter, last_dim_contiguous, programs_for
+from adaattn.kernels.runtime import Launcher, interpreter, last_dim_contiguous, programs_for
 
 MAX_RANK = 128
 MAX_HEAD_DIM = 128
@@ -279,6 +279,10 @@ OUT_BLOCK_M = {16: 64, 32: 64, 64: 64, 128: 64}  # by padded rank (head dim <= 6
 OUT_WARPS = 4
 
 
+_launch_landmarks, _launch_bv_partial, _launch_landmark_solve, _launch_nystrom_out = (
+    Launcher(k) for k in (_landmarks, _bv_partial, _landmark_solve, _nystrom_out))
+
+
 def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pinv_iters: int,
                     rows: Tensor | None = None) -> Tensor:
     """softmax(q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ k^T) v with ``rank`` segment-mean
@@ -309,16 +313,16 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
     off_w = off_acc + n_part * D
     ws = torch.empty(off_w + n_ql, device=q.device, dtype=torch.float32)
 
-    _landmarks[(rank, B * (Hq + Hkv))](
+    _launch_landmarks((rank, B * (Hq + Hkv)),
         q, k, ws, off_kl, L, S, rank, Hq, Hkv, B * Hq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         HEAD_DIM=D, BLOCK_T=max(16, LANDMARK_TILE // block_d), BLOCK_D=block_d, num_warps=LANDMARK_WARPS)
-    _bv_partial[(m_blocks, B * Hkv, splits)](
+    _launch_bv_partial((m_blocks, B * Hkv, splits),
         ws, k, v, off_m, off_l, off_acc, n_rows, S, chunk, Hkv, qk_scale,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         KV_TF32=k.dtype in (torch.bfloat16, torch.float16) and v.dtype == k.dtype, num_warps=4)
-    _landmark_solve[(B * Hq,)](
+    _launch_landmark_solve((B * Hq,),
         ws, off_kl, off_m, off_l, off_acc, off_w, rank, splits, Hq, group, qk_scale, pinv_iters,
         HEAD_DIM=D, BLOCK_R=block_r, BLOCK_D=block_d, MERGE_STAGES=MERGE_STAGES, num_warps=SOLVE_WARPS[block_r])
 
@@ -326,7 +330,7 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
     Lr = qr.shape[2]
     out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
     block_m = OUT_BLOCK_M[block_r] // (2 if block_d > 64 else 1)
-    _nystrom_out[(triton.cdiv(Lr, block_m), B * Hq)](
+    _launch_nystrom_out((triton.cdiv(Lr, block_m), B * Hq),
         qr, ws, out, off_kl, off_w, Lr, rank, Hq, group, qk_scale,
         qr.stride(0), qr.stride(1), qr.stride(2), out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, FP32=q.dtype == torch.float32 or interpreter(),

@@ -14,7 +14,7 @@ with pretrained weights and no training: Linformer-style learned projections nee
 a PCA projection of keys and values costs an SVD per call (O(S D^2)) and is exact only for the
 values, not for the softmax. Nyström costs O(S r D) plus an r x r pseudo-inverse, and needs
 neither. It has no causal or padding form here: with a mask, the exact path runs. Without
-autograd, on a device the Triton kernels run on, the forward is three fused launches
+autograd, on a device the Triton kernels run on, the forward is four fused launches
 (``nystrom_triton``; ``nystrom_path`` says which implementation runs and why).
 
 Policy (``choose_rank``, what ``rank_mode="auto"`` runs on the first call of a signature): the
@@ -113,7 +113,7 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float |
 
 
 def nystrom_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
-    """Which implementation ``nystrom_attention`` runs for these inputs: "triton" (three fused
+    """Which implementation ``nystrom_attention`` runs for these inputs: "triton" (four fused
     launches, forward only: ``nystrom_triton``) or "torch: <why not triton>" (differentiable)."""
     if not use_triton(q, k, v):
         return f"torch: {get_kernel_status()['reason'] or 'Triton kernels cannot run on ' + q.device.type}"

@@ -151,21 +151,30 @@ def kernel_time_ms(fn: Callable[[], object], calls: int,
     """GPU time of the kernels one call launches, summed (CUPTI through the profiler), over ``calls``
     calls, each after an L2 flush: the device's share of a call, with no host time in it. None when
     the trace cannot be cut into calls (see ``per_call_kernel_ms``)."""
+    times = kernel_times_ms([fn], calls, grad_to_none)
+    return quantiles(times[0]) if times else None
+
+
+def kernel_times_ms(fns: Sequence[Callable[[], object]], calls: int,
+                    grad_to_none: Sequence[torch.Tensor] | None = None) -> list[list[float]] | None:
+    """``kernel_time_ms``'s per-call samples for several functions from one profiler session: ``calls``
+    calls of each in turn, each after an L2 flush. None when the trace cannot be cut into calls."""
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            for t in grad_to_none or []:
-                t.grad = None
-            flush.bitwise_not_()
-            fn()
+        for fn in fns:
+            for _ in range(calls):
+                for t in grad_to_none or []:
+                    t.grad = None
+                flush.bitwise_not_()
+                fn()
         torch.cuda.synchronize()
     kernels = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
                if e.device_type() == torch.autograd.DeviceType.CUDA]
-    sums = per_call_kernel_ms(kernels, calls)
-    return quantiles(sums) if sums else None
+    sums = per_call_kernel_ms(kernels, calls * len(fns))
+    return [sums[i * calls:(i + 1) * calls] for i in range(len(fns))] if sums else None
 
 
 def gpu_utilization(fn: Callable[[], object], seconds: float,

@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from adaattn.kernels.runtime import Launcher
+
 
 @triton.jit
 def _sum_rows_kernel(p_ptr, out_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -20,6 +22,9 @@ def _sum_rows_kernel(p_ptr, out_ptr, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOC
     tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
+_sum_rows = Launcher(_sum_rows_kernel)
+
+
 def sum_partials(partial: Tensor, dtype: torch.dtype) -> Tensor:
     """Column sums of contiguous fp32 per-program partials (P, N), summed in fp32 and cast once to
     ``dtype``: one launch (``partial.sum(0).to(dtype)`` is two for a bf16 weight)."""
@@ -28,6 +33,6 @@ def sum_partials(partial: Tensor, dtype: torch.dtype) -> Tensor:
     if n_cols:
         # tall tiles (256 rows): a program's serial loop is short even for thousands of partial rows
         block_c = 16 if n_cols <= 256 else 32
-        _sum_rows_kernel[(triton.cdiv(n_cols, block_c),)](partial, out, n_rows, n_cols, BLOCK_R=256,
-                                                          BLOCK_C=block_c, num_warps=8)
+        _sum_rows((triton.cdiv(n_cols, block_c),), partial, out, n_rows, n_cols, BLOCK_R=256, BLOCK_C=block_c,
+                  num_warps=8)
     return out

@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from adaattn.kernels.partials import sum_partials
-from adaattn.kernels.runtime import TunedLaunch, check_float, flat_rows, programs_for, tuned
+from adaattn.kernels.runtime import TunedLaunch, check_float, flat_rows, needs_grad, programs_for, tuned
 
 MAX_HIDDEN = 2**16 // 4  # one row of fp32 must fit in a program's registers
 
@@ -228,4 +228,6 @@ rms_norm_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     if torch.compiler.is_compiling():
         return rms_norm_fwd_op(x, weight, eps)[0]
+    if not needs_grad(x, weight):
+        return rms_norm_fwd(x, weight, eps)[0]
     return RMSNormFunction.apply(x, weight, eps)

@@ -17,13 +17,15 @@ in fp32 registers; the partials are summed in fp32 and cast once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from adaattn.kernels.partials import sum_partials
-from adaattn.kernels.runtime import TunedLaunch, check_float, last_dim_contiguous, programs_for, tuned
+from adaattn.kernels.runtime import TunedLaunch, check_float, last_dim_contiguous, needs_grad, programs_for, tuned
 
 def _prune(configs, key, kwargs):
     """Keep tiles of TOKENS x heads x D/2 of at most 4096 elements per q or k half."""
@@ -269,8 +271,14 @@ def _token_grid(n_tokens: int):
 
 
 def _blocks(q: Tensor, k: Tensor) -> dict[str, int]:
-    return dict(BLOCK_QH=triton.next_power_of_2(q.shape[2]), BLOCK_KH=triton.next_power_of_2(k.shape[2]),
-                BLOCK_D2=triton.next_power_of_2(q.shape[3] // 2))
+    return _pow2_blocks(q.shape[2], k.shape[2], q.shape[3] // 2)
+
+
+@functools.cache
+def _pow2_blocks(n_qh: int, n_kh: int, half: int) -> dict[str, int]:
+    """Padded tile sizes of a head shape (cached: three next_power_of_2 calls are a few us of host time)."""
+    return dict(BLOCK_QH=triton.next_power_of_2(n_qh), BLOCK_KH=triton.next_power_of_2(n_kh),
+                BLOCK_D2=triton.next_power_of_2(half))
 
 
 def rope_apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool = False) -> tuple[Tensor, Tensor]:
@@ -416,10 +424,14 @@ qk_norm_rope_fwd_op.register_autograd(_qk_backward, setup_context=_qk_setup)
 def rope_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     if torch.compiler.is_compiling():
         return rope_op(q, k, cos, sin, False)
+    if not needs_grad(q, k):
+        return rope_apply(q, k, cos, sin)
     return RopeFunction.apply(q, k, cos, sin)
 
 
 def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     if torch.compiler.is_compiling():
         return qk_norm_rope_fwd_op(q, k, q_weight, k_weight, cos, sin, eps)[:2]
+    if not needs_grad(q, k, q_weight, k_weight):
+        return qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, eps)[:2]
     return QKNormRopeFunction.apply(q, k, q_weight, k_weight, cos, sin, eps)

@@ -5,19 +5,26 @@ variable ``ADAATTN_DISABLE_TRITON=1``. With the kernels off, without Triton, or 
 device the kernels cannot run on, the same public functions run the PyTorch references. On a CPU
 machine the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI
 tests them; it checks correctness, never speed.
+
+Every launch goes through ``Launcher``: after a kernel's first call with a given specialisation it
+calls the compiled kernel directly, skipping Triton's per-call argument binding
+(``ADAATTN_TRITON_DIRECT_LAUNCH=0`` turns that off).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 ENV_DISABLE = "ADAATTN_DISABLE_TRITON"
+ENV_DIRECT = "ADAATTN_TRITON_DIRECT_LAUNCH"
 KERNELS = ("rms_norm", "swiglu", "rope", "qk_norm_rope")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -79,6 +86,12 @@ def get_kernel_status() -> dict[str, Any]:
     }
 
 
+def needs_grad(*tensors: Tensor) -> bool:
+    """Whether autograd would record a call on these tensors; when not, the eager entry points call
+    the forward launcher directly (an autograd Function's apply costs host time even without grad)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 @torch.compiler.assume_constant_result
 def kernels_on() -> bool:
     """Read once per compilation under torch.compile (a constant of the graph), every call in eager."""
@@ -136,17 +149,142 @@ def tuned(configs: list) -> list:
     return configs[:1] if interpreter() else configs
 
 
-TUNE_MIB = (4, 16, 64)  # the tuning problems: the main input of each is this many MiB
+def _hooks_set() -> bool:
+    """Whether Triton launch hooks are installed (a profiler such as proton): launches then take
+    Triton's own path, which calls them. Triton 3.6 keeps None when unset, 3.9 an empty HookChain."""
+    runtime = _triton_runtime_knobs()
+    if runtime is None:
+        return True
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and (not hasattr(hook, "calls") or hook.calls):
+            return True
+    return False
 
 
-def worst_case_pick(table: list[list[float]]) -> int:
-    """Index of the config whose worst ratio (fastest time at a size / its time there) over the
-    sizes is the largest; ties go to the smaller total time. ``table[config][size]``: times, inf
-    for a config that cannot run."""
-    best = [min(col) for col in zip(*table)]
-    def score(i: int) -> tuple[float, float]:
-        return min(b / t for b, t in zip(best, table[i])), -sum(table[i])
-    return max(range(len(table)), key=score)
+@functools.cache
+def _triton_runtime_knobs() -> Any:
+    import triton
+
+    return getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
+@functools.cache
+def _driver() -> Any:
+    from triton.runtime.driver import driver
+
+    return driver.active
+
+
+_I32, _U64 = 2**31, 2**63
+
+
+def specialization(values: Sequence[Any], constexpr: Sequence[bool]) -> tuple | None:
+    """What Triton specialises a compiled kernel on, per argument, or None for an argument of a kind
+    this does not know (that call then takes Triton's own launch). Triton's rules: a tensor by its
+    dtype and whether its address is a multiple of 16; an int by being 1 (then a compile-time
+    constant), being a multiple of 16, and its width (i32, i64, u64); a bool or float by its type;
+    a constexpr by its value."""
+    out: list[Any] = []
+    for v, const in zip(values, constexpr):
+        if const:
+            out.append(v)
+        elif isinstance(v, Tensor):
+            out.append((v.dtype, v.data_ptr() % 16 == 0))
+        elif isinstance(v, bool):
+            out.append(bool)
+        elif isinstance(v, int):
+            out.append(1 if v == 1 else (v % 16 == 0) + (0 if -_I32 <= v < _I32 else 4 if v >= _U64 else 2))
+        elif isinstance(v, float):
+            out.append(float)
+        else:
+            return None
+    return tuple(out)
+
+
+_direct = os.environ.get(ENV_DIRECT, "1").strip().lower() not in ("0", "false", "no")
+
+
+def set_direct_launch(enabled: bool) -> None:
+    """Turn ``Launcher``'s direct launch on or off for this process (``ADAATTN_TRITON_DIRECT_LAUNCH=0``
+    turns it off from the start)."""
+    global _direct
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_direct_launch takes True or False; got {enabled!r}")
+    _direct = enabled
+
+
+class Launcher:
+    """Launch a ``triton.jit`` kernel with less host time per call than ``kernel[grid](...)``.
+
+    Triton's launch binds and specialises every argument on every call, in Python, at several times
+    the host time of the compiled kernel's own launcher for a kernel of many arguments. Here the
+    first call with a given specialisation (``specialization`` of the positional arguments, the
+    keyword arguments, which must be constexprs or launch options, and the device) goes through
+    Triton, which compiles and returns the compiled kernel; later calls with the same
+    specialisation call that kernel's launcher directly. Triton's own launch runs instead in the
+    interpreter, with launch hooks installed, for a runtime argument passed by keyword or of
+    another kind, after ``set_direct_launch(False)`` or with ``ADAATTN_TRITON_DIRECT_LAUNCH=0``, and
+    on a Triton whose compiled kernel lacks the launcher attributes used here (``run``,
+    ``function``, ``packed_metadata``).
+    """
+
+    def __init__(self, kernel: Any):
+        self.jit = kernel
+        params = getattr(kernel, "params", None)
+        self.ok = params is not None and not interpreter()
+        self.names = [p.name for p in params] if params is not None else []
+        self.constexpr = [p.is_constexpr for p in params] if params is not None else []
+        self.runtime_names = {p.name for p in params if not p.is_constexpr} if params is not None else set()
+        self.compiled: dict[tuple, Any] = {}
+
+    def direct(self) -> bool:
+        return self.ok and _direct and not _hooks_set()
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        if not self.direct() or not self.runtime_names.isdisjoint(kwargs):
+            self.jit[grid](*args, **kwargs)
+            return
+        spec = specialization(args, self.constexpr)
+        if spec is None:
+            self.jit[grid](*args, **kwargs)
+            return
+        driver = _driver()
+        device = driver.get_current_device()
+        key = (device, spec, *kwargs.items())
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            kernel = self.jit[grid](*args, **kwargs)
+            if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+                self.compiled[key] = kernel
+            return
+        try:
+            values = [*args, *(kwargs[n] for n in self.names[len(args):])]
+        except KeyError:  # a parameter left to its default: Triton's launch fills it in
+            self.jit[grid](*args, **kwargs)
+            return
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                   driver.get_current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+                   *values)
+
+
+TUNE_MIB = (2, 8, 64)  # the tuning problems: the main input of each is this many MiB
+TUNE_CALLS = 10  # profiled calls per config and size
+
+
+def picks_per_size(table: list[list[float]]) -> list[int]:
+    """For each size (column), the index of the fastest config (row); ties go to the config of the
+    smaller total time. ``table[config][size]``: times, inf for a config that cannot run."""
+    totals = [sum(row) for row in table]
+    return [min(range(len(table)), key=lambda i: (table[i][j], totals[i])) for j in range(len(table[0]))]
+
+
+_SIZE_BOUNDS = [(a * b) ** 0.5 * 2**20 for a, b in zip(TUNE_MIB, TUNE_MIB[1:])]
+
+
+def size_index(t: Tensor) -> int:
+    """Which tuning size a call whose main input is ``t`` runs the config of: the nearest on a log
+    scale (bounds at the geometric means of neighbouring sizes)."""
+    return bisect.bisect(_SIZE_BOUNDS, t.numel() * t.element_size())
 
 
 class TunedLaunch:
@@ -156,15 +294,24 @@ class TunedLaunch:
     Tuning: every config of a new key is timed on synthetic problems of that key whose main input
     is ``TUNE_MIB`` MiB each. ``example(key, nbytes, device)`` builds one problem and returns the
     call that runs it through the public launcher, so a backward's partial-sum launch is timed with
-    it. Each config runs captured in a CUDA graph over enough copies of the problem to cover twice
-    the L2 cache: no host time and no cache reuse in the times. The config kept is the one whose
-    worst ratio to the fastest config at each size is best (``worst_case_pick``).
+    it. A config's time at a size is the median GPU time of its kernels over ``TUNE_CALLS`` calls,
+    each after an L2 flush, from one CUPTI trace per size (``bench.timing.kernel_times_ms``): the
+    kernel time the kernels study reports, with no host time in it. Back-to-back calls in a CUDA
+    graph, timed with events, rank configs differently at small problems (the next kernel's start
+    hides the previous one's tail and no call starts from a cold cache); they remain the fallback
+    while another profiler is running, where a second trace cannot start.
+
+    The fastest config at each tuning size is kept (``picks_per_size``); a call runs the one kept
+    for the tuning size nearest its own main input (the kernel's first argument, ``size_index``):
+    a lookup among at most ``len(TUNE_MIB)`` configs, compiled while tuning. No single config is
+    within a few percent of the fastest at every size (the persistent backward grids want fewer
+    programs per SM at 2 MiB than at 64 MiB); the tuning itself still runs once per key.
 
     Why not ``triton.autotune``: it tunes on the first call's arguments, so the config depends on
     the first call's token count (one tuned at 2K tokens can be far off at 64K); it times each
     config with CUDA events per call, whose noise at a few-us kernel exceeds the differences
-    between configs; and it rebuilds its key from every argument on every call (22 us of host time
-    on the H100 host with Triton 3.6). Here a call of a known key is one dict lookup and the launch.
+    between configs; and it rebuilds its key from every argument on every call. Here a call of a
+    known key is one dict lookup and the launch (``Launcher``).
 
     Config kwargs named in ``grid_only`` shape the grid (read by the launcher's grid function) and
     are not passed to the kernel: they cost no compilation. In the interpreter, or while a CUDA
@@ -174,54 +321,83 @@ class TunedLaunch:
     def __init__(self, kernel: Any, configs: list, example: Callable[[tuple, int, torch.device], Callable[[], object]],
                  prune: Callable[[list, tuple, dict], list] | None = None, grid_only: tuple[str, ...] = ()):
         self.jit = kernel
+        self.launch = Launcher(kernel)
         self.configs = tuned(configs)
         self.example = example
         self.prune = prune
         self.grid_only = grid_only
-        self.chosen: dict[tuple, dict[str, Any]] = {}
+        self.chosen: dict[tuple, tuple[dict[str, Any], ...]] = {}  # key -> config per tuning size (or one)
         self.timings: dict[tuple, list[tuple[dict[str, Any], list[float]]]] = {}  # key -> (meta, ms per size)
         self._forced: dict[str, Any] | None = None
 
     def __call__(self, key: tuple, grid: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Launch; returns the config's meta-parameters it ran with (for grids that depend on them)."""
-        meta = self._forced or self.chosen.get(key) or self._choose(key, args, kwargs)
+        meta = self._forced
+        if meta is None:
+            metas = self.chosen.get(key) or self._choose(key, args, kwargs)
+            meta = metas[0] if len(metas) == 1 else metas[size_index(args[0])]
         launch = {k: v for k, v in meta.items() if k not in self.grid_only}
-        self.jit[grid(meta) if callable(grid) else grid](*args, **kwargs, **launch)
+        self.launch(grid(meta) if callable(grid) else grid, *args, **kwargs, **launch)
         return meta
 
-    def _choose(self, key: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:
+    def _choose(self, key: tuple, args: tuple, kwargs: dict) -> tuple[dict[str, Any], ...]:
         configs = self.prune(self.configs, key, kwargs) if self.prune else self.configs
         metas = [c.all_kwargs() for c in configs] or [self.configs[0].all_kwargs()]
         if len(metas) > 1 and not interpreter():
             if torch.cuda.is_current_stream_capturing():
-                return metas[0]
+                return (metas[0],)
             device = next(a.device for a in args if isinstance(a, Tensor))
             with torch.cuda.device(device):
                 times = self._time(key, metas, device)
             self.timings[key] = list(zip(metas, times))
-            metas = [metas[worst_case_pick(times)]]
-        self.chosen[key] = metas[0]
-        return metas[0]
+            chosen = tuple(metas[i] for i in picks_per_size(times))
+        else:
+            chosen = (metas[0],)
+        self.chosen[key] = chosen
+        return chosen
 
     def _time(self, key: tuple, metas: list[dict[str, Any]], device: torch.device) -> list[list[float]]:
-        """ms per call of each config (rows) at each tuning size (columns); inf where it cannot run."""
+        """ms per call of each config (rows) at each tuning size (columns); inf where it cannot run.
+        One profiler session for every config and size."""
+        problems = [self.example(key, mib * 2**20, device) for mib in TUNE_MIB]
+        pairs = [(i, j) for i, meta in enumerate(metas) for j, problem in enumerate(problems)
+                 if self._compiles(meta, problem)]
+        calls = [self._forcing(metas[i], problems[j]) for i, j in pairs]
+        column = None
+        if not torch.autograd._profiler_enabled():
+            from adaattn.bench.timing import kernel_times_ms
+
+            samples = kernel_times_ms(calls, TUNE_CALLS)
+            column = None if samples is None else [statistics.median(x) for x in samples]
+        if column is None:  # another profiler is running: back-to-back calls in a CUDA graph
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20)
+            copies = [[problem] + [self.example(key, mib * 2**20, device) for _ in range(max(1, -(-2 * l2 // (mib * 2**20)) - 1))]
+                      for mib, problem in zip(TUNE_MIB, problems)]
+            column = [_graph_ms([self._forcing(metas[i], p) for p in copies[j]]) for i, j in pairs]
+        times = [[float("inf")] * len(TUNE_MIB) for _ in metas]
+        for (i, j), ms in zip(pairs, column):
+            times[i][j] = ms
+        return times
+
+    def _forcing(self, meta: dict[str, Any], problem: Callable[[], object]) -> Callable[[], object]:
+        """The problem run with this config."""
+        def call() -> object:
+            self._forced = meta
+            try:
+                return problem()
+            finally:
+                self._forced = None
+        return call
+
+    def _compiles(self, meta: dict[str, Any], problem: Callable[[], object]) -> bool:
+        """Run the problem once with this config (compiling it); False when it cannot run."""
         from triton.runtime.errors import OutOfResources
 
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20)
-        times: list[list[float]] = [[] for _ in metas]
-        for mib in TUNE_MIB:
-            nbytes = mib * 2**20
-            problems = [self.example(key, nbytes, device) for _ in range(max(2, -(-2 * l2 // nbytes)))]
-            for meta, row in zip(metas, times):
-                self._forced = meta
-                try:
-                    row.append(_graph_ms(problems))
-                except OutOfResources:
-                    row.append(float("inf"))
-                finally:
-                    self._forced = None
-            del problems
-        return times
+        try:
+            self._forcing(meta, problem)()
+            return True
+        except OutOfResources:
+            return False
 
 
 def _graph_ms(problems: list[Callable[[], object]], min_calls: int = 32, replays: int = 3) -> float:

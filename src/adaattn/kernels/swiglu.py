@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from adaattn.kernels.runtime import TunedLaunch, check_float, flat_rows, tuned
+from adaattn.kernels.runtime import TunedLaunch, check_float, flat_rows, needs_grad, tuned
 
 
 def _prune(configs, key, kwargs):
@@ -206,4 +206,6 @@ swiglu_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def swiglu_triton(a: Tensor, b: Tensor) -> Tensor:
     if torch.compiler.is_compiling():
         return swiglu_fwd_op(a, b)
+    if not needs_grad(a, b):
+        return swiglu_fwd(a, b)
     return SwiGLUFunction.apply(a, b)
