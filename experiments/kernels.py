@@ -1,9 +1,11 @@
 """Kernels study: regenerates G4-T2 and checks G4-T1's claims ("Triton kernels 1.5-2x faster",
 "shared RoPE cache 24x memory reduction").
 
-Four providers side by side in one run: eager PyTorch (the references in
+Providers side by side in one run: eager PyTorch (the references in
 ``adaattn.kernels.reference``), the same code under ``torch.compile``, Liger-Kernel (a peer; no
-fused QK-norm + RoPE there) and ours. Memory-bound work, so every result is also GB/s from a
+fused QK-norm + RoPE there) and ours. RoPE also has ``ours_inplace``: our kernel rotating q and k
+where they lie, as Liger's RoPE does (the other providers write new tensors); forward only, since
+the study's inputs are leaves that require grad, where autograd refuses an in-place op. Memory-bound work, so every result is also GB/s from a
 written byte count (below) and a fraction of the copy bandwidth measured in the same run.
 
 Three times per call, reported separately: ``time_ms`` (CUDA events around each call, what a
@@ -34,6 +36,7 @@ from adaattn.bench.compile_cache import FreshCompiles, WarmItem, segments
 from adaattn.bench.harness import Case, Workload
 from adaattn.bench.runner import target_sections
 from adaattn.config import Params, Target
+from adaattn.errors import Unsupported
 from adaattn.kernels import reference as R
 from adaattn.report.common import Section
 
@@ -119,7 +122,8 @@ class Kernels:
         config = {"op": kernel, "batch": batch, "seq_len": seq_len, "tokens": batch * seq_len, "hidden": hidden,
                   "heads": heads, "kv_heads": kv_heads, "head_dim": section.head_dim if rope else 0, "dtype": dtype}
         return Case(case_id=f"{table_id}/{kernel}-t{batch * seq_len}-n{hidden}-{dtype}", table_id=table_id, config=config,
-                    providers=tuple(p for p in section.providers if not (p == "liger" and kernel == "qk_norm_rope")),
+                    providers=tuple(p for p in section.providers if not (p == "liger" and kernel == "qk_norm_rope")
+                                    and not (p == "ours_inplace" and kernel != "rope")),
                     modes=tuple(section.modes))
 
     # ------------------------------------------------------------------ inputs and workloads
@@ -162,13 +166,16 @@ class Kernels:
         return {"fwd": 2 * T * heads * D * e + table + 4 * T * heads, "bwd": 3 * T * heads * D * e + table + 4 * T * heads}
 
     def _args(self, case: Case, requires_grad: bool) -> dict[str, Tensor]:
-        """A private copy per workload (Liger's RoPE rewrites its inputs); leaves require grad."""
+        """A private copy per workload (Liger's RoPE and ours_inplace rewrite theirs); leaves require grad."""
         grad_keys = {"x", "w", "a", "b", "q", "k", "wq", "wk"}
         return {k: v.detach().clone().requires_grad_(requires_grad and k in grad_keys)
                 for k, v in self.inputs(case).items()}
 
     def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
         kernel = case.config["op"]
+        if provider == "ours_inplace" and requires_grad:
+            raise Unsupported("in-place rotation needs inputs that are not leaves requiring grad (autograd refuses "
+                              "it on those, and the study's inputs are); in a model q and k are projection outputs")
         x = self._args(case, requires_grad)
         fn = self._fn(kernel, provider, x)
         if provider == "compile":  # one compile per (hidden size, grad mode); the token count stays symbolic
@@ -188,6 +195,10 @@ class Kernels:
     def _fn(self, kernel: str, provider: str, x: dict[str, Tensor]):
         if provider in ("eager", "compile"):
             f = REFS[kernel] if provider == "eager" else _compiled(kernel)
+        elif provider == "ours_inplace":
+            from adaattn.kernels.rope import rope_triton
+
+            return lambda: rope_triton(x["q"], x["k"], x["cos"], x["sin"], inplace=True)
         elif provider == "ours":
             from adaattn.kernels.rms_norm import rms_norm_triton
             from adaattn.kernels.rope import qk_norm_rope_triton, rope_triton
@@ -243,7 +254,7 @@ class Kernels:
         return R.qk_norm_rope_ref(x["q"], x["k"], x["wq"], x["wk"], x["cos"], x["sin"], EPS)
 
     def unavailable(self, provider: str, device: str) -> str | None:
-        if provider == "ours" and device != "cuda":
+        if provider in ("ours", "ours_inplace") and device != "cuda":
             return "our Triton kernels run on CUDA; on a CPU only in Triton's interpreter, which checks correctness, never speed"
         if provider == "liger":
             if device != "cuda":

@@ -104,6 +104,76 @@ def test_rope(dtype, shape, layout):
     _compare(lambda q, k: K.apply_rope(q, k, cos, sin), lambda q, k: K.rope_ref(q, k, cos[:S], sin[:S]), [q, k], dtype)
 
 
+@pytest.mark.parametrize("triton_on", [True, False])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "fused_qkv"])
+def test_rope_in_place(triton_on, layout):
+    """inplace=True rotates q and k where they lie (any layout with a contiguous head dim), returns
+    them, equals the out-of-place result, bumps their version counters, and trains through autograd
+    on non-leaf inputs with the same gradients; the Triton path and the reference path alike."""
+    B, S, Hq, Hkv, D = 2, 7, 6, 2, 16
+    q, k = _qk(B, S, Hq, Hkv, D, torch.float32, layout)
+    cos, sin = K.rope_cache(S + 3, D, device=DEVICE)
+    from adaattn.kernels import runtime
+
+    was = runtime._use_triton
+    K.set_use_triton_kernels(triton_on)
+    try:
+        want = K.apply_rope(q, k, cos, sin)
+        qi, ki = q.clone(), k.clone()
+        if layout == "fused_qkv":  # slices of one buffer, as _qk gives: rotate those very views
+            qi, ki = q, k
+        versions = (qi._version, ki._version)
+        got = K.apply_rope(qi, ki, cos, sin, inplace=True)
+        assert got[0] is qi and got[1] is ki
+        assert qi._version > versions[0] and ki._version > versions[1]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        # autograd: in place on non-leaf inputs, gradients equal the out-of-place path's
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k)]
+        out = K.apply_rope(leaves[0] * 1, leaves[1] * 1, cos, sin, inplace=True)
+        g = [torch.randn_like(o) for o in out]
+        torch.autograd.backward(out, g)
+        ref = [t.detach().clone().requires_grad_() for t in (q, k)]
+        torch.autograd.backward(K.apply_rope(*ref, cos, sin), g)
+        for a, b in zip(leaves, ref, strict=True):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
+        # a leaf that requires grad: autograd's own error, nothing rotated
+        leaf = q.detach().clone().requires_grad_()
+        before = leaf.detach().clone()
+        with pytest.raises(RuntimeError, match="leaf"):
+            K.apply_rope(leaf, k.clone(), cos, sin, inplace=True)
+        assert torch.equal(leaf.detach(), before)
+    finally:
+        K.set_use_triton_kernels(was)
+
+
+def test_rope_in_place_rejects_bad_input():
+    q, k = _randn(1, 4, 2, 8), _randn(1, 4, 2, 8)
+    cos, sin = K.rope_cache(4, 8, device=DEVICE)
+    with pytest.raises(TypeError, match="True or False"):
+        K.apply_rope(q, k, cos, sin, inplace=1)
+    strided = torch.randn(1, 4, 2, 16, device=DEVICE)[..., ::2]  # head dim not contiguous
+    if K.get_kernel_status()["use_triton_kernels"]:
+        with pytest.raises(ValueError, match="contiguous head dim"):
+            K.apply_rope(strided, k, cos, sin, inplace=True)
+
+
+def test_rope_in_place_compiles_fullgraph():
+    """Under torch.compile the rotation is the custom op, copied into q and k."""
+    S, D = 5, 16
+    cos, sin = K.rope_cache(S, D, device=DEVICE)
+    q, k = _randn(2, S, 4, D), _randn(2, S, 2, D)
+
+    def fn(q, k):
+        q, k = q * 2, k * 2
+        return K.apply_rope(q, k, cos, sin, inplace=True)
+
+    ops, outs = _ops_in_graph(fn, q, k)
+    assert any("adaattn.rope" in o for o in ops), ops
+    for got, want in zip(outs, K.apply_rope(q * 2, k * 2, cos, sin), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("shape", ROPE_SHAPES)
 @pytest.mark.parametrize("layout", ["bshd", "fused_qkv"])
@@ -197,13 +267,25 @@ def test_specialization_separates_what_triton_compiles_for():
     assert specialization([t, "x", 4], const) is None  # a kind it does not know: Triton's own launch
 
 
-def test_launcher_takes_tritons_launch_in_the_interpreter():
+def test_launcher_takes_tritons_launch_in_the_interpreter_or_when_switched_off():
+    """The interpreter always takes Triton's own launch; on a GPU the direct launch is on by default
+    and ``set_direct_launch(False)`` turns it off (same values either way)."""
     import importlib
 
     from adaattn.kernels import runtime
 
     rn = importlib.import_module("adaattn.kernels.rms_norm")
-    assert runtime.interpreter() and not rn._fwd.launch.direct()
+    if runtime.interpreter():
+        assert not rn._fwd.launch.direct()
+    was = runtime._direct
+    x, w = _randn(9, 40), _randn(40)
+    direct = K.rms_norm(x, w)
+    runtime.set_direct_launch(False)
+    try:
+        assert not rn._fwd.launch.direct()
+        torch.testing.assert_close(K.rms_norm(x, w), direct, atol=0, rtol=0)
+    finally:
+        runtime.set_direct_launch(was)
     with pytest.raises(TypeError, match="True or False"):
         runtime.set_direct_launch(1)
 

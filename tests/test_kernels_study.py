@@ -65,3 +65,43 @@ def test_compile_groups_are_segments_of_one_hidden_size():
     keys = [{(c.config["op"], c.config["dtype"], c.config["hidden"]) for c, _, _ in g} for g in groups]
     assert all(len(k) == 1 for k in keys) and all(a != b for a, b in zip(keys, keys[1:]))
     assert {m for g in groups for _, _, m in g} == {"fwd", "bwd", "fwd_bwd"}  # every mode, in one segment
+
+
+def test_ours_inplace_is_rope_forward_only_and_rotates_its_inputs():
+    """ours_inplace is listed for RoPE only; on the study's leaf inputs its backward modes are an
+    Unsupported row that says why; its forward rotates the workload's own q and k."""
+    import torch
+
+    from adaattn.errors import Unsupported
+    from adaattn.kernels import get_kernel_status
+
+    sec = _Section(("eager", "liger", "ours", "ours_inplace"), ("fwd", "fwd_bwd"))
+    for kernel in ("rms_norm", "swiglu", "qk_norm_rope"):
+        assert "ours_inplace" not in Kernels._case("G4-T1", kernel, 1, 48, 128, "fp32", sec).providers
+    case = Kernels._case("G4-T1", "rope", 1, 48, 128, "fp32", sec)
+    assert "ours_inplace" in case.providers
+    assert "CUDA" in STUDY.bind("cpu").unavailable("ours_inplace", "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    study = STUDY.bind(device)
+    with pytest.raises(Unsupported, match="leaves"):
+        study.setup(case, "ours_inplace", requires_grad=True)
+    if not get_kernel_status()["use_triton_kernels"] or device == "cpu" and not get_kernel_status()["interpreter"]:
+        pytest.skip("the Triton kernels do not run here (set TRITON_INTERPRET=1 on a CPU)")
+    w = study.setup(case, "ours_inplace", requires_grad=False)
+    q, k = w.fwd()
+    ref = study.reference(case)
+    for got, want in zip(w.to_reference_layout((q, k)), ref, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert q.data_ptr() == w.fwd()[0].data_ptr()  # the same storage, rotated again
+
+
+def test_goal_rows_for_each_of_our_providers():
+    """The speed goal gets one row per provider of ours that ran: ours everywhere, ours_inplace on RoPE."""
+    from adaattn_experiments.kernels_report import GOAL_RATIO, _goal_row
+
+    frame = pd.DataFrame({"tokens": [2048, 8192], "hidden": [512, 512], "eager": [9.0, 30.0], "compile": [5.0, 12.0],
+                          "liger": [4.0, 10.0], "ours": [4.4, 10.0], "ours_inplace": [4.0, 9.0]})
+    row = _goal_row(frame, ["eager", "compile", "liger"], "ours", "kernel time (GPU)", "h100", "rope", "fwd")
+    assert row["ours"] == "ours" and row[f"sizes below {GOAL_RATIO}"] == "1 of 2" and row["at (tokens, hidden)"] == "2048, 512"
+    row = _goal_row(frame, ["eager", "compile", "liger"], "ours_inplace", "kernel time (GPU)", "h100", "rope", "fwd")
+    assert row[f"sizes below {GOAL_RATIO}"] == "0 of 2"

@@ -147,7 +147,7 @@ class G1T1Section(ByProfile):
     gpu: G1T1Sweep
 
 
-KERNEL_PROVIDERS = ("eager", "compile", "liger", "ours")
+KERNEL_PROVIDERS = ("eager", "compile", "liger", "ours", "ours_inplace")  # ours_inplace: RoPE only
 KernelName = Literal["rms_norm", "swiglu", "rope", "qk_norm_rope"]
 
 

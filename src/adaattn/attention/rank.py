@@ -32,7 +32,7 @@ import math
 import torch
 from torch import Tensor
 
-from adaattn.kernels.runtime import get_kernel_status, use_triton
+from adaattn.kernels.runtime import get_kernel_status, needs_grad, use_triton
 
 
 def sample_rows(n: int, rows: int, device) -> Tensor:
@@ -117,7 +117,7 @@ def nystrom_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
     launches, forward only: ``nystrom_triton``) or "torch: <why not triton>" (differentiable)."""
     if not use_triton(q, k, v):
         return f"torch: {get_kernel_status()['reason'] or 'Triton kernels cannot run on ' + q.device.type}"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if needs_grad(q, k, v):
         return "torch: autograd needs the graph (the Triton path is forward only)"
     if torch.compiler.is_compiling():
         return "torch: under torch.compile"

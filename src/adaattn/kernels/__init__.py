@@ -40,11 +40,17 @@ def swiglu(a: Tensor, b: Tensor) -> Tensor:
     return swiglu_ref(a, b)
 
 
-def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotary embedding of q (B, S, Hq, D) and k (B, S, Hkv, D) from one (S, D/2) cos/sin table."""
+def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """Rotary embedding of q (B, S, Hq, D) and k (B, S, Hkv, D) from one (S, D/2) cos/sin table.
+
+    ``inplace=True`` rotates q and k themselves and returns them (no new q- and k-sized tensors);
+    autograd refuses it on leaves that require grad, as for any in-place op."""
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be True or False; got {inplace!r}")
     if use_triton(q, k, cos, sin):
-        return rope_triton(q, k, cos, sin)
-    return rope_ref(q, k, cos[: q.shape[1]], sin[: q.shape[1]])
+        return rope_triton(q, k, cos, sin, inplace)
+    qo, ko = rope_ref(q, k, cos[: q.shape[1]], sin[: q.shape[1]])
+    return (q.copy_(qo), k.copy_(ko)) if inplace else (qo, ko)
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,

@@ -281,10 +281,16 @@ def _pow2_blocks(n_qh: int, n_kh: int, half: int) -> dict[str, int]:
                 BLOCK_D2=triton.next_power_of_2(half))
 
 
-def rope_apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool = False) -> tuple[Tensor, Tensor]:
-    """Rotated copies of q and k (the inverse rotation when ``backward``), in q's and k's layouts."""
+def rope_apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool = False,
+               inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """Rotated copies of q and k (the inverse rotation when ``backward``), in q's and k's layouts;
+    with ``inplace``, q and k themselves, rotated where they lie (each element is read and written by
+    one program, loads before stores). Autograd does not see the in-place write: ``rope_triton`` does."""
+    if inplace and (q.stride(-1) != 1 or k.stride(-1) != 1):
+        raise ValueError(f"in-place rotary embedding needs q and k with a contiguous head dim; got strides "
+                         f"{q.stride()} and {k.stride()}")
     q, k, cos, sin = _check(q, k, cos, sin)
-    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    qo, ko = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
     B, S, Hq, D = q.shape
     if q.numel() and k.numel():
         _rope(_key(q, k, cos), _token_grid(B * S), q, k, qo, ko, cos, sin, *_strides(q), *_strides(k),
@@ -347,6 +353,18 @@ class RopeFunction(torch.autograd.Function):
     def backward(ctx, dq: Tensor, dk: Tensor):
         cos, sin = ctx.saved_tensors
         return *rope_apply(dq, dk, cos, sin, backward=True), None, None
+
+
+class RopeInplaceFunction(RopeFunction):
+    """Rotates q and k in place (marked dirty: autograd refuses leaves that require grad and catches
+    later use of a tensor saved before the rotation); the backward is RopeFunction's, out of place."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(cos, sin)
+        rope_apply(q, k, cos, sin, inplace=True)
+        ctx.mark_dirty(q, k)
+        return q, k
 
 
 class QKNormRopeFunction(torch.autograd.Function):
@@ -421,12 +439,27 @@ def _qk_backward(ctx, dq, dk, _drq, _drk):
 qk_norm_rope_fwd_op.register_autograd(_qk_backward, setup_context=_qk_setup)
 
 
-def rope_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def rope_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """Rotated q and k; ``inplace`` rotates q and k themselves (no new (B, S, H, D) tensors, as Liger's
+    and flash-attn's in-place rotary do) and returns them."""
     if torch.compiler.is_compiling():
-        return rope_op(q, k, cos, sin, False)
+        qo, ko = rope_op(q, k, cos, sin, False)
+        return (q.copy_(qo), k.copy_(ko)) if inplace else (qo, ko)
     if not needs_grad(q, k):
-        return rope_apply(q, k, cos, sin)
-    return RopeFunction.apply(q, k, cos, sin)
+        if not inplace:
+            return rope_apply(q, k, cos, sin)
+        rope_apply(q, k, cos, sin, inplace=True)
+        # a Triton store bumps no version counter: do it, so a graph that saved q or k sees the change
+        torch.autograd.graph.increment_version([t for t in (q, k) if not t.is_inference()])
+        return q, k
+    if inplace:
+        for name, t in (("q", q), ("k", k)):  # refused before the kernel writes (autograd would check after)
+            leaf = t if t._base is None else t._base
+            if leaf.is_leaf and leaf.requires_grad:
+                raise RuntimeError(f"rope in place: {name} is a leaf that requires grad, or a view of one, and "
+                                   "autograd allows no in-place op on it; pass inplace=False or rotate a non-leaf "
+                                   "(a projection output)")
+    return (RopeInplaceFunction if inplace else RopeFunction).apply(q, k, cos, sin)
 
 
 def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps: float = 1e-6) -> tuple[Tensor, Tensor]:

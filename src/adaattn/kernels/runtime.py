@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -278,7 +279,7 @@ def picks_per_size(table: list[list[float]]) -> list[int]:
     return [min(range(len(table)), key=lambda i: (table[i][j], totals[i])) for j in range(len(table[0]))]
 
 
-_SIZE_BOUNDS = [(a * b) ** 0.5 * 2**20 for a, b in zip(TUNE_MIB, TUNE_MIB[1:])]
+_SIZE_BOUNDS = [(a * b) ** 0.5 * 2**20 for a, b in itertools.pairwise(TUNE_MIB)]
 
 
 def size_index(t: Tensor) -> int:

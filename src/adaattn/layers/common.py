@@ -69,10 +69,10 @@ class RotaryEmbedding(nn.Module):
             n = 1 << (seq_len - 1).bit_length()
             self.cos, self.sin = rope_cache(n, self.head_dim, self.base, device=self.cos.device)
 
-    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """q (B, S, Hq, D), k (B, S, Hkv, D) -> rotated copies."""
+    def forward(self, q: Tensor, k: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
+        """q (B, S, Hq, D), k (B, S, Hkv, D) -> rotated copies, or q and k rotated in place."""
         self.ensure(q.shape[1])
-        return apply_rope(q, k, self.cos, self.sin)
+        return apply_rope(q, k, self.cos, self.sin, inplace)
 
     def with_qk_norm(self, q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor,
                      eps: float = 1e-6) -> tuple[Tensor, Tensor]:
