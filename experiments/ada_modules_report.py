@@ -15,7 +15,8 @@ from adaattn.report.common import Section, Verdict, fmt, guide_figures, md_table
 GOAL_OVERHEAD = 1.03  # adaattn at most 3% slower than the fastest backend called directly
 SAME_TOLERANCE = 0.10  # G2-T1: "the same ms" within 10%
 MAIN = ["mha", "standard", "adaattn", "adaattn_auto", "adaattn_noopt"]
-GOAL_TIMES = {"kernel_ms": "kernel time (GPU, summed over the call's kernels)",
+GOAL_TIMES = {"kernel_ms": "kernel time (GPU, summed over the call's kernels; the providers' calls "
+              "interleaved in one trace)",
               "time_ms": "time per call (p50; on a GPU, CUDA events: host time shows where the device waits)"}
 
 

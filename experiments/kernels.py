@@ -5,13 +5,15 @@ Providers side by side in one run: eager PyTorch (the references in
 ``adaattn.kernels.reference``), the same code under ``torch.compile``, Liger-Kernel (a peer; no
 fused QK-norm + RoPE there) and ours. RoPE also has ``ours_inplace``: our kernel rotating q and k
 where they lie, as Liger's RoPE does (the other providers write new tensors); forward only, since
-the study's inputs are leaves that require grad, where autograd refuses an in-place op. Memory-bound work, so every result is also GB/s from a
-written byte count (below) and a fraction of the copy bandwidth measured in the same run.
+the study's inputs are leaves that require grad, where autograd refuses an in-place op.
+Memory-bound work, so every result is also GB/s from a written byte count (below) and a fraction
+of the copy bandwidth measured in the same run.
 
 Three times per call, reported separately: ``time_ms`` (CUDA events around each call, what a
 caller waits for; at small sizes it includes host time the device could not hide), ``kernel_ms``
-(the GPU time of the call's kernels, summed from a profiler trace: the kernels' own speed) and
-``host_ms`` (host time per call, 20 calls back to back).
+(the GPU time of the call's kernels, summed from a profiler trace: the kernels' own speed; the
+providers' calls interleaved in one trace per case and mode, see ``bench.harness``) and ``host_ms``
+(host time per call, 20 calls back to back).
 
 Byte counts (per token; N hidden, e element size; rope kernels: Hq + Hkv heads of D):
   rms_norm  fwd read x + write y = 2Ne;          bwd read x, dy + write dx = 3Ne

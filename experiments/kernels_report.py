@@ -22,7 +22,8 @@ GOAL_COPY = 0.90  # forward >= 90% of copy bandwidth for tensors of 64 MB and mo
 SPEEDUP_TOLERANCE = 0.10
 
 
-TIMES = {"kernel_ms": "kernel time (GPU, summed over the call's kernels)",
+TIMES = {"kernel_ms": "kernel time (GPU, summed over the call's kernels; the providers' calls "
+         "interleaved in one trace)",
          "time_ms": "time per call (CUDA events, includes host time the device did not hide)"}
 
 

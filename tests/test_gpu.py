@@ -83,6 +83,20 @@ def test_kernel_time_is_the_device_share_of_a_call():
     assert kernel_time_ms(host_bound, 5).p50 < 0.1 < CudaTimer(warmup_ms=5, rep_ms=20)(host_bound).p50
 
 
+def test_kernel_times_round_robin_keeps_each_functions_samples():
+    """Calls interleaved in one trace come back per function: a large GEMM's samples all exceed a
+    small one's, whichever is listed first."""
+    from adaattn.bench.timing import kernel_times_ms
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
+    for order in ((a, b), (b, a)):
+        samples = kernel_times_ms([lambda m=m: m @ m for m in order], 6)
+        assert samples is not None and [len(s) for s in samples] == [6, 6]
+        big, small = samples if order[0] is a else samples[::-1]
+        assert min(big) > 10 * max(small)
+
+
 def test_direct_launch_matches_tritons_launch():
     """The cached direct launch gives Triton's own results, also when a later call changes what
     Triton specialises on (an unaligned slice, a stride of 1): each gets its own compiled kernel."""

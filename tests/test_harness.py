@@ -155,3 +155,119 @@ def test_per_call_kernel_ms_cuts_a_trace_at_the_flush_kernels():
              ("k2", 30, 1_000), (flush, 40, 90_000), ("k1", 50, 4_000)]
     assert per_call_kernel_ms(list(reversed(trace)), 2) == [0.0035, 0.004]  # in start order, whatever the input order
     assert per_call_kernel_ms(trace, 3) is None  # not one flush per call: no numbers rather than wrong ones
+
+
+def test_round_robin_order_and_split():
+    from adaattn.bench.timing import round_robin, split_round_robin
+
+    assert round_robin(3, 2) == [0, 1, 2, 0, 1, 2]
+    order = round_robin(3, 4)
+    samples = [100.0 * i + c for c, i in enumerate(order)]  # sample c comes from function order[c]
+    split = split_round_robin(samples, 3, 4)
+    assert [[int(x) // 100 for x in fn] for fn in split] == [[0] * 4, [1] * 4, [2] * 4]
+    with pytest.raises(ValueError, match="functions"):
+        split_round_robin(samples[:-1], 3, 4)
+
+
+class _SizedStudy:
+    """Providers whose forward output size stands for their memory, each recording its grad mode."""
+
+    def __init__(self):
+        self.grad_modes: list[tuple[str, bool]] = []
+
+    def setup(self, case, provider, requires_grad):
+        n = 1000 if provider == "big" else 10
+        x = torch.randn(n, requires_grad=requires_grad)
+
+        def fwd():
+            self.grad_modes.append((provider, torch.is_grad_enabled()))
+            return x * 2
+
+        return Workload(fwd=fwd, inputs=[x])
+
+    def reference(self, case):
+        return None
+
+    def unavailable(self, provider, device):
+        return None
+
+    def has_backward(self, provider):
+        return True
+
+
+def _cuda_harness_on_cpu(monkeypatch, timer, total_bytes):
+    """A Harness for device "cuda" whose device-only parts (profiled call, memory, kernel trace) are
+    stand-ins, so its kernel-time bookkeeping runs on a CPU machine."""
+    import adaattn.bench.harness as harness_mod
+    from adaattn.bench.memory import Profiled
+
+    monkeypatch.setattr(harness_mod, "profiled_call", lambda fn, device: Profiled(int(fn().numel()), "k"))
+    monkeypatch.setattr(Harness, "_device_memory", lambda self: (0, total_bytes))
+    return Harness("cuda", CpuTimer(0, 2), Ceilings(10.0, 1.0, "fp32", 64), kernel_calls=3, kernel_timer=timer)
+
+
+def test_kernel_time_interleaves_a_cases_providers_per_mode(monkeypatch):
+    traces = []
+    study = _SizedStudy()
+
+    def timer(fns, calls):
+        traces.append(len(fns))
+        study.grad_modes.clear()
+        for fn in fns:
+            fn()
+        traces.append(list(study.grad_modes))
+        return [[float(i + 1)] * calls for i in range(len(fns))]
+
+    h = _cuda_harness_on_cpu(monkeypatch, timer, total_bytes=1000)
+    case = Case("toy/1", "T-1", {"n": 10}, ("a", "big", "b"), ("fwd", "fwd_bwd"))
+    rows = pd.DataFrame(h.run(study, [case]))
+    # per mode: "big" (a 1000-byte call against a 500-byte budget) alone, then a and b in one trace
+    assert traces == [1, [("big", False)], 1, [("big", True)],
+                      2, [("a", False), ("b", False)], 2, [("a", True), ("b", True)]]
+    k = rows[rows.metric == "kernel_ms"].set_index(["provider", "mode"])
+    assert k.loc[("a", "fwd"), "value"] == 1.0 and k.loc[("b", "fwd_bwd"), "value"] == 2.0
+    assert "interleaved with 1 other workload)" in k.loc[("a", "fwd"), "unit"]
+    assert "measured alone" in k.loc[("big", "fwd"), "unit"]
+    assert not h._held  # nothing kept past its case
+
+
+@pytest.mark.parametrize("failure", ["none", "oom"])
+def test_kernel_time_failure_is_a_row_per_workload(monkeypatch, failure):
+    def timer(fns, calls):
+        if failure == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return None
+
+    h = _cuda_harness_on_cpu(monkeypatch, timer, total_bytes=10**6)
+    rows = pd.DataFrame(h.run(_SizedStudy(), [Case("toy/1", "T-1", {"n": 10}, ("a", "b"), ("fwd",))]))
+    k = rows[rows.metric == "kernel_ms"]
+    assert len(k) == 2 and k["value"].isna().all()
+    assert set(k["status"]) == ({"oom"} if failure == "oom" else {"error"})
+    assert (rows[rows.metric == "time_ms"]["status"] == "ok").all()
+
+
+def test_out_of_memory_beside_held_workloads_frees_them_and_tries_again(monkeypatch):
+    """A workload that runs out of memory while others are held for the kernel-time trace: those are
+    measured (interleaved among themselves) and freed first, then it runs again."""
+    traces = []
+
+    class _Flaky(_SizedStudy):
+        failed = False
+
+        def setup(self, case, provider, requires_grad):
+            if provider == "flaky" and not self.failed:
+                self.failed = True
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB")
+            return super().setup(case, provider, requires_grad)
+
+    def timer(fns, calls):
+        traces.append(len(fns))
+        return [[1.0] * calls for _ in fns]
+
+    h = _cuda_harness_on_cpu(monkeypatch, timer, total_bytes=10**6)
+    rows = pd.DataFrame(h.run(_Flaky(), [Case("toy/1", "T-1", {"n": 10}, ("a", "b", "flaky", "c"), ("fwd",))]))
+    assert traces == [2, 2]  # a and b when flaky ran out of memory; then flaky and c
+    t = rows[rows.metric == "time_ms"].set_index("provider")["status"]
+    assert (t == "ok").all() and len(t) == 4
+    k = rows[rows.metric == "kernel_ms"].set_index("provider")
+    assert k["value"].notna().all() and len(k) == 4

@@ -137,12 +137,18 @@ def test_rope_in_place(triton_on, layout):
         torch.autograd.backward(K.apply_rope(*ref, cos, sin), g)
         for a, b in zip(leaves, ref, strict=True):
             torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
-        # a leaf that requires grad: autograd's own error, nothing rotated
+        # a leaf that requires grad: refused, nothing rotated
         leaf = q.detach().clone().requires_grad_()
         before = leaf.detach().clone()
         with pytest.raises(RuntimeError, match="leaf"):
             K.apply_rope(leaf, k.clone(), cos, sin, inplace=True)
         assert torch.equal(leaf.detach(), before)
+        # a non-leaf q beside a leaf k: refused before q is written, on either path
+        q_nonleaf = q.detach().clone().requires_grad_() * 1
+        before = q_nonleaf.detach().clone()
+        with pytest.raises(RuntimeError, match="k is a leaf"):
+            K.apply_rope(q_nonleaf, k.detach().clone().requires_grad_(), cos, sin, inplace=True)
+        assert torch.equal(q_nonleaf.detach(), before)
     finally:
         K.set_use_triton_kernels(was)
 

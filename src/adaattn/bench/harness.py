@@ -5,6 +5,12 @@ the op once on prepared inputs, the leaf inputs, and the FLOPs from a written fo
 harness owns warm-up and timing (through the timer), backward, peak memory, accuracy against
 the study's float64 reference, the roofline units, the kernels that ran, and the status rows for
 cases that are unavailable, unsupported, out of memory or fail: the study always goes on.
+
+Kernel time (CUDA, ``kernel_calls``) is taken once a case's providers have all been measured: their
+workloads are held, and one profiler trace per mode runs their calls interleaved, so that the
+providers' ratios do not depend on the order they run in (a few-us kernel's time was seen to
+move with the provider measured before it). A workload too large to hold beside the others is
+measured alone; the row's unit says which.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ import torch
 from torch import Tensor
 
 from adaattn.bench.accuracy import accuracy
-from adaattn.bench.memory import profiled_call
+from adaattn.bench.memory import Profiled, profiled_call
 from adaattn.bench.roofline import Ceilings, gbps, mode_bytes, mode_flops, tflops
-from adaattn.bench.timing import gpu_utilization, host_time_ms, kernel_time_ms
+from adaattn.bench.timing import gpu_utilization, host_time_ms, kernel_times_ms, quantiles
 from adaattn.errors import Unsupported
 
 
@@ -42,6 +48,20 @@ class Workload:
 
 def _tensors(out: Outputs) -> tuple[Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
+
+
+def _clearing(fn: Callable[[], object], leaves: Sequence[Tensor] | None) -> Callable[[], object]:
+    """``fn`` after setting the leaves' grads to None, as the timers do before every call: each call
+    then starts from the same state (no gradient accumulated into, nor aliased by, a previous one)."""
+    if not leaves:
+        return fn
+
+    def call() -> object:
+        for t in leaves:
+            t.grad = None
+        return fn()
+
+    return call
 
 
 def _flat(out: Outputs) -> Tensor:
@@ -69,6 +89,17 @@ class Study(Protocol):
     def has_backward(self, provider: str) -> bool: ...  # on the device the study is bound to
 
 
+@dataclass
+class _KernelTimeItem:
+    """A measured workload whose kernel time is still to be taken (its thunk keeps it alive)."""
+    case: Case
+    provider: str
+    mode: str
+    call: Callable[[], object]  # one call in the mode's grad mode, clearing the leaves' grads first
+    peak_bytes: int  # the call's peak allocation over what was allocated before it
+    kernels: str
+
+
 def classify_error(err: BaseException) -> tuple[str, str]:
     """(status, reason) for an exception raised while running a case."""
     text = " ".join(str(err).split())[:400]
@@ -86,11 +117,16 @@ class Harness:
     ceilings: Ceilings
     host_calls: int = 0  # > 0: also time the host side of this many back-to-back calls (CUDA only)
     kernel_calls: int = 0  # > 0: also sum the kernel time of each of this many calls (CUDA only)
+    # workloads held for one interleaved kernel-time trace per case and mode, while what is allocated
+    # plus the largest held call's peak stays within this fraction of the device's memory
+    interleave_memory_fraction: float = 0.25
+    kernel_timer: Callable = kernel_times_ms  # (fns, calls) -> per-call samples per fn, or None
     utilization_s: float = 0.0  # > 0: NVML GPU utilization over this many seconds of calls (CUDA only)
     utilization_providers: tuple[str, ...] = ()  # ... of these providers
     rows: list[dict] = field(default_factory=list)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # where the run's wall time went
     _refs: dict[str, Tensor | None] = field(default_factory=dict)
+    _held: list[_KernelTimeItem] = field(default_factory=list)
 
     @contextmanager
     def _phase(self, name: str):
@@ -121,9 +157,11 @@ class Harness:
                 for provider in case.providers:
                     progress(f"{case.case_id} {provider}")
                     self.run_provider(study, case, provider)
+                self._kernel_times_of_held()
                 self._refs.pop(case.case_id, None)
                 self._release()
         finally:
+            self._held.clear()
             gc.unfreeze()  # the caller's collections see everything again
         return self.rows
 
@@ -138,18 +176,29 @@ class Harness:
             else:
                 self.run_mode(study, case, provider, mode)
 
-    def run_mode(self, study: Study, case: Case, provider: str, mode: str) -> None:
+    def run_mode(self, study: Study, case: Case, provider: str, mode: str, retry: bool = True) -> None:
         workload = None
+        again = False
         try:
             with self._phase("setup"):
                 workload = study.setup(case, provider, requires_grad=mode != "fwd")
             self._measure(study, case, provider, mode, workload)
         except Exception as err:  # noqa: BLE001 - every failure becomes a status row; the study goes on
             status, reason = classify_error(err)
-            self._row(case, provider, mode, "time_ms", None, status=status, reason=reason)
+            # out of memory while workloads are held for the kernel-time trace: free them, then try again
+            again = status == "oom" and retry and bool(self._held)
+            if not again:
+                self._row(case, provider, mode, "time_ms", None, status=status, reason=reason)
             del workload
-            if status == "oom":
-                self._release(unfreeze=True)
+        else:
+            return
+        # outside the except block: the error's traceback no longer keeps the failed call's tensors
+        if again:
+            self._kernel_times_of_held()
+        if status == "oom":
+            self._release(unfreeze=True)
+        if again:
+            self.run_mode(study, case, provider, mode, retry=False)
 
     def phase_summary(self) -> str:
         return ", ".join(f"{k} {v:.0f}s" for k, v in sorted(self.phase_seconds.items(), key=lambda kv: -kv[1]))
@@ -209,10 +258,6 @@ class Harness:
             if self.host_calls and self.device == "cuda":
                 with self._phase("host time"):
                     host_ms = host_time_ms(thunk, self.host_calls, clear)
-            kernel_t = None
-            if self.kernel_calls and self.device == "cuda":
-                with self._phase("kernel time (profiler)"):
-                    kernel_t = kernel_time_ms(thunk, self.kernel_calls, clear)
             util: float | str | None = None
             if self.utilization_s and self.device == "cuda" and provider in self.utilization_providers:
                 with self._phase("GPU utilization (NVML)"):
@@ -221,7 +266,7 @@ class Harness:
                     except Exception as err:  # noqa: BLE001 - no NVML: a status row says why
                         util = f"{type(err).__name__}: {err}"
             with self._phase("peak memory + kernel names (profiler)"):
-                profiled = profiled_call(thunk, self.device)
+                profiled = profiled_call(_clearing(thunk, clear), self.device)
         common = dict(kernel=profiled.kernels)
         self._row(case, provider, mode, "time_ms", t.p50, p20=t.p20, p80=t.p80, mean=t.mean, std=t.std, unit="ms",
                   **common)
@@ -232,14 +277,6 @@ class Harness:
             self._row(case, provider, mode, "gpu_util_pct", None, status="error", reason=util[:300], **common)
         if host_ms is not None:
             self._row(case, provider, mode, "host_ms", host_ms, unit="ms of host time per call, no sync", **common)
-        if self.kernel_calls and self.device == "cuda":
-            if kernel_t is None:
-                self._row(case, provider, mode, "kernel_ms", None, status="error", reason=(
-                    "the kernel trace could not be cut into calls (the workload launches the flush marker)"),
-                    **common)
-            else:
-                self._row(case, provider, mode, "kernel_ms", kernel_t.p50, p20=kernel_t.p20, p80=kernel_t.p80,
-                          unit="ms of GPU kernel time per call (sum over its kernels)", **common)
         if w.flops_fwd:
             flops = mode_flops(w.flops_fwd, mode)
             # rate quantiles: the fast end (p20 time) is the high rate
@@ -256,6 +293,61 @@ class Harness:
         self._row(case, provider, mode, "peak_mem_mb", profiled.peak_bytes / 2**20, unit="MiB", **common)
         for metric, value in acc.items():
             self._row(case, provider, mode, metric, value, unit="vs float64", **common)
+        if self.kernel_calls and self.device == "cuda":
+            self._kernel_time_later(case, provider, mode, thunk, clear, profiled)
+
+    def _kernel_time_later(self, case: Case, provider: str, mode: str, thunk: Callable[[], object],
+                           clear: Sequence[Tensor] | None, profiled: Profiled) -> None:
+        """Hold the workload for its case's interleaved kernel-time trace, or, when holding it would
+        take too much of the device's memory, take its kernel time alone now."""
+        grad_mode = torch.no_grad if mode == "fwd" else torch.enable_grad  # the grad mode it was timed in
+        cleared = _clearing(thunk, clear)
+
+        def call() -> object:
+            with grad_mode():
+                return cleared()
+
+        item = _KernelTimeItem(case, provider, mode, call, profiled.peak_bytes, profiled.kernels)
+        allocated, total = self._device_memory()
+        peak = max([item.peak_bytes] + [h.peak_bytes for h in self._held])
+        if allocated + peak <= self.interleave_memory_fraction * total:
+            self._held.append(item)
+        else:
+            self._kernel_times([item])
+
+    def _device_memory(self) -> tuple[int, int]:
+        """(bytes allocated now, the device's total bytes)."""
+        return torch.cuda.memory_allocated(), torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+    def _kernel_times_of_held(self) -> None:
+        """The kernel times of the case's held workloads: one trace per mode, their calls interleaved."""
+        held, self._held = self._held, []
+        for mode in dict.fromkeys(h.mode for h in held):
+            self._kernel_times([h for h in held if h.mode == mode])
+
+    def _kernel_times(self, items: list[_KernelTimeItem]) -> None:
+        """Kernel time of each item from one profiler session, their calls round robin
+        (``bench.timing.kernel_times_ms``); one ``kernel_ms`` row each, its unit saying with how many
+        other workloads its calls were interleaved."""
+        samples, status, reason = None, "error", ""
+        try:
+            with self._phase("kernel time (profiler)"):
+                samples = self.kernel_timer([h.call for h in items], self.kernel_calls)
+            if samples is None:
+                reason = "the kernel trace could not be cut into calls (a workload launches the flush marker)"
+        except Exception as err:  # noqa: BLE001 - a failed trace becomes status rows; the study goes on
+            status, reason = classify_error(err)
+            if status == "oom":
+                self._release(unfreeze=True)
+        others = len(items) - 1
+        how = f"interleaved with {others} other workload{'s' * (others != 1)}" if others else "measured alone"
+        for i, h in enumerate(items):
+            if samples is None:
+                self._row(h.case, h.provider, h.mode, "kernel_ms", None, status=status, reason=reason, kernel=h.kernels)
+                continue
+            q = quantiles(samples[i])
+            self._row(h.case, h.provider, h.mode, "kernel_ms", q.p50, p20=q.p20, p80=q.p80,
+                      unit=f"ms of GPU kernel time per call (sum over its kernels; calls {how})", kernel=h.kernels)
 
     def _reference(self, study: Study, case: Case) -> Tensor | None:
         if case.case_id not in self._refs:

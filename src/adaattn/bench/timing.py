@@ -155,26 +155,40 @@ def kernel_time_ms(fn: Callable[[], object], calls: int,
     return quantiles(times[0]) if times else None
 
 
+def round_robin(n_fns: int, calls: int) -> list[int]:
+    """The order ``kernel_times_ms`` calls its functions in: one call of each in turn, ``calls`` rounds."""
+    return [i for _ in range(calls) for i in range(n_fns)]
+
+
+def split_round_robin(sums: Sequence[float], n_fns: int, calls: int) -> list[list[float]]:
+    """Per-call samples in ``round_robin`` order -> one list of ``calls`` samples per function."""
+    if len(sums) != n_fns * calls:
+        raise ValueError(f"{len(sums)} samples for {n_fns} functions x {calls} calls")
+    return [list(sums[i::n_fns]) for i in range(n_fns)]
+
+
 def kernel_times_ms(fns: Sequence[Callable[[], object]], calls: int,
                     grad_to_none: Sequence[torch.Tensor] | None = None) -> list[list[float]] | None:
-    """``kernel_time_ms``'s per-call samples for several functions from one profiler session: ``calls``
-    calls of each in turn, each after an L2 flush. None when the trace cannot be cut into calls."""
+    """``kernel_time_ms``'s per-call samples for several functions from one profiler session, each
+    call after an L2 flush. The calls go round robin (one of each function in turn, ``calls``
+    rounds), not one function's calls and then the next's: whatever drifts over a session (clocks,
+    the state earlier work leaves behind) then lands on every function alike, so their ratios do
+    not depend on the order they are listed in. None when the trace cannot be cut into calls."""
     from torch.profiler import ProfilerActivity, profile
 
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for fn in fns:
-            for _ in range(calls):
-                for t in grad_to_none or []:
-                    t.grad = None
-                flush.bitwise_not_()
-                fn()
+        for i in round_robin(len(fns), calls):
+            for t in grad_to_none or []:
+                t.grad = None
+            flush.bitwise_not_()
+            fns[i]()
         torch.cuda.synchronize()
     kernels = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
                if e.device_type() == torch.autograd.DeviceType.CUDA]
     sums = per_call_kernel_ms(kernels, calls * len(fns))
-    return [sums[i * calls:(i + 1) * calls] for i in range(len(fns))] if sums else None
+    return split_round_robin(sums, len(fns), calls) if sums else None
 
 
 def gpu_utilization(fn: Callable[[], object], seconds: float,

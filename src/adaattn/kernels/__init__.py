@@ -8,10 +8,11 @@ using them compiles with ``fullgraph=True``.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from adaattn.kernels.reference import qk_norm_rope_ref, rms_norm_ref, rope_cache, rope_ref, swiglu_ref
-from adaattn.kernels.runtime import ENV_DISABLE, get_kernel_status, set_use_triton_kernels, use_triton
+from adaattn.kernels.runtime import ENV_DISABLE, get_kernel_status, refuse_grad_leaves, set_use_triton_kernels, use_triton
 
 try:  # the kernels need Triton; without it every function below runs its reference
     from adaattn.kernels.rms_norm import rms_norm_triton
@@ -50,7 +51,11 @@ def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inplace: bool = F
     if use_triton(q, k, cos, sin):
         return rope_triton(q, k, cos, sin, inplace)
     qo, ko = rope_ref(q, k, cos[: q.shape[1]], sin[: q.shape[1]])
-    return (q.copy_(qo), k.copy_(ko)) if inplace else (qo, ko)
+    if not inplace:
+        return qo, ko
+    if not torch.compiler.is_compiling():  # compiled, autograd refuses a leaf while tracing, before any write
+        refuse_grad_leaves("rope", q=q, k=k)
+    return q.copy_(qo), k.copy_(ko)
 
 
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,

@@ -25,7 +25,8 @@ import triton.language as tl
 from torch import Tensor
 
 from adaattn.kernels.partials import sum_partials
-from adaattn.kernels.runtime import TunedLaunch, check_float, last_dim_contiguous, needs_grad, programs_for, tuned
+from adaattn.kernels.runtime import (TunedLaunch, check_float, last_dim_contiguous, needs_grad, programs_for,
+                                     refuse_grad_leaves, tuned)
 
 def _prune(configs, key, kwargs):
     """Keep tiles of TOKENS x heads x D/2 of at most 4096 elements per q or k half."""
@@ -453,12 +454,7 @@ def rope_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inplace: bool = 
         torch.autograd.graph.increment_version([t for t in (q, k) if not t.is_inference()])
         return q, k
     if inplace:
-        for name, t in (("q", q), ("k", k)):  # refused before the kernel writes (autograd would check after)
-            leaf = t if t._base is None else t._base
-            if leaf.is_leaf and leaf.requires_grad:
-                raise RuntimeError(f"rope in place: {name} is a leaf that requires grad, or a view of one, and "
-                                   "autograd allows no in-place op on it; pass inplace=False or rotate a non-leaf "
-                                   "(a projection output)")
+        refuse_grad_leaves("rope", q=q, k=k)
     return (RopeInplaceFunction if inplace else RopeFunction).apply(q, k, cos, sin)
 
 

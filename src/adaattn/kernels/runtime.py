@@ -93,6 +93,20 @@ def needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def refuse_grad_leaves(op: str, **tensors: Tensor) -> None:
+    """Raise before an in-place op writes any of ``tensors`` when one is a leaf that requires grad,
+    or a view of one (autograd checks only once a write has happened, after the first tensor of
+    several may already have been written)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        leaf = t if t._base is None else t._base
+        if leaf.is_leaf and leaf.requires_grad:
+            raise RuntimeError(f"{op} in place: {name} is a leaf that requires grad, or a view of one, and autograd "
+                               "allows no in-place op on it; pass inplace=False or rotate a non-leaf (a projection "
+                               "output)")
+
+
 @torch.compiler.assume_constant_result
 def kernels_on() -> bool:
     """Read once per compilation under torch.compile (a constant of the graph), every call in eager."""
@@ -268,7 +282,9 @@ class Launcher:
                    *values)
 
 
-TUNE_MIB = (2, 8, 64)  # the tuning problems: the main input of each is this many MiB
+# the tuning problems: the main input of each is this many MiB. Spaced by 2x up to 16 MiB, where
+# the best config changes fastest with size (a few-us kernel: the grid is a few waves of programs)
+TUNE_MIB = (2, 4, 8, 16, 64)
 TUNE_CALLS = 10  # profiled calls per config and size
 
 
@@ -296,8 +312,9 @@ class TunedLaunch:
     is ``TUNE_MIB`` MiB each. ``example(key, nbytes, device)`` builds one problem and returns the
     call that runs it through the public launcher, so a backward's partial-sum launch is timed with
     it. A config's time at a size is the median GPU time of its kernels over ``TUNE_CALLS`` calls,
-    each after an L2 flush, from one CUPTI trace per size (``bench.timing.kernel_times_ms``): the
-    kernel time the kernels study reports, with no host time in it. Back-to-back calls in a CUDA
+    each after an L2 flush, from one CUPTI trace for every config and size, their calls round robin
+    (``bench.timing.kernel_times_ms``): the kernel time the kernels study reports, with no host
+    time in it, and no config favoured by where it comes in the order. Back-to-back calls in a CUDA
     graph, timed with events, rank configs differently at small problems (the next kernel's start
     hides the previous one's tail and no call starts from a cold cache); they remain the fallback
     while another profiler is running, where a second trace cannot start.
