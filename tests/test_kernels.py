@@ -153,6 +153,21 @@ def test_rope_in_place(triton_on, layout):
         K.set_use_triton_kernels(was)
 
 
+def test_rope_in_place_is_tuned_apart():
+    """In place and out of place are separate tuning keys (their fastest configs differ)."""
+    import importlib
+
+    if not K.get_kernel_status()["use_triton_kernels"]:
+        pytest.skip("the Triton kernels are off here")
+    rope = importlib.import_module("adaattn.kernels.rope")
+    q, k = _randn(1, 5, 3, 12), _randn(1, 5, 1, 12)  # a head shape no other test uses
+    cos, sin = K.rope_cache(5, 12, device=DEVICE)
+    K.apply_rope(q, k, cos, sin)
+    K.apply_rope(q.clone(), k.clone(), cos, sin, inplace=True)
+    base = (3, 1, 6, q.dtype, k.dtype, cos.dtype)
+    assert (*base, False) in rope._rope.chosen and (*base, True) in rope._rope.chosen
+
+
 def test_rope_in_place_rejects_bad_input():
     q, k = _randn(1, 4, 2, 8), _randn(1, 4, 2, 8)
     cos, sin = K.rope_cache(4, 8, device=DEVICE)

@@ -243,9 +243,11 @@ def _example(op: str):
         tokens = max(1, nbytes // (n_qh * 2 * half * q_dtype.itemsize))
         q = torch.randn(1, tokens, n_qh, 2 * half, device=device, dtype=q_dtype)
         k = torch.randn(1, tokens, n_kh, 2 * half, device=device, dtype=k_dtype)
-        cos, sin = (torch.rand(tokens, half, device=device, dtype=cs_dtype) for _ in range(2))
+        angle = 6.283 * torch.rand(tokens, half, device=device)  # a true rotation: in place, values stay put
+        cos, sin = angle.cos().to(cs_dtype), angle.sin().to(cs_dtype)
         if op == "rope":
-            return lambda: rope_apply(q, k, cos, sin)
+            inplace = key[6]
+            return lambda: rope_apply(q, k, cos, sin, inplace=inplace)
         wq, wk = (torch.ones(2 * half, device=device, dtype=dt) for dt in key[6:8])
         if op == "qk_fwd":
             return lambda: qk_norm_rope_fwd(q, k, wq, wk, cos, sin, 1e-6)
@@ -263,7 +265,8 @@ _qk_bwd = TunedLaunch(_qk_norm_rope_bwd_kernel, _BWD_CONFIGS, _example("qk_bwd")
 
 
 def _key(q: Tensor, k: Tensor, cos: Tensor, *more: Tensor) -> tuple:
-    """What the tuning is keyed on: head counts, half the head dim, and the dtypes."""
+    """What the tuning is keyed on: head counts, half the head dim, and the dtypes (the rotary
+    embedding adds whether it writes in place)."""
     return (q.shape[2], k.shape[2], q.shape[3] // 2, q.dtype, k.dtype, cos.dtype, *(t.dtype for t in more))
 
 
@@ -294,7 +297,9 @@ def rope_apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool = 
     qo, ko = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
     B, S, Hq, D = q.shape
     if q.numel() and k.numel():
-        _rope(_key(q, k, cos), _token_grid(B * S), q, k, qo, ko, cos, sin, *_strides(q), *_strides(k),
+        # in place is its own tuning key: the config that is fastest out of place was seen to be
+        # slower in place at large sizes
+        _rope((*_key(q, k, cos), inplace), _token_grid(B * S), q, k, qo, ko, cos, sin, *_strides(q), *_strides(k),
               *_strides(qo), *_strides(ko), cos.stride(0), B * S, S, Hq, k.shape[2], D // 2, **_blocks(q, k),
               BACKWARD=backward)
     return qo, ko
