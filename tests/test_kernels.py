@@ -330,18 +330,20 @@ def test_without_grad_the_forward_launches_directly(kernel):
 
 
 @pytest.mark.parametrize("name", ["rms_norm._fwd", "rms_norm._bwd", "swiglu._fwd", "swiglu._bwd", "swiglu._fwd_flat",
-                                  "swiglu._bwd_flat", "rope._rope", "rope._qk_fwd", "rope._qk_bwd"])
+                                  "swiglu._bwd_flat", "rope._rope", "rope._rope_inplace", "rope._qk_fwd",
+                                  "rope._qk_bwd"])
 def test_tuning_problems_run(name):
     """Every launcher's tuning problem builds from its key and runs (here at a few KB, in the
     interpreter): the key layout and the example factory agree."""
     import importlib
 
     module, attr = name.split(".")
-    launch = getattr(importlib.import_module(f"adaattn.kernels.{module}"), attr)
+    launch = getattr(importlib.import_module(f"adaattn.kernels.{module}"), attr.removesuffix("_inplace"))
     f32 = torch.float32
     key = {"rms_norm._fwd": (40, f32, f32), "rms_norm._bwd": (40, f32, f32, f32), "swiglu._fwd": (40, f32),
            "swiglu._bwd": (40, f32, f32), "swiglu._fwd_flat": (40, f32), "swiglu._bwd_flat": (40, f32, f32),
-           "rope._rope": (4, 2, 8, f32, f32, f32), "rope._qk_fwd": (4, 2, 8, f32, f32, f32, f32, f32),
+           "rope._rope": (4, 2, 8, f32, f32, f32, False), "rope._rope_inplace": (4, 2, 8, f32, f32, f32, True),
+           "rope._qk_fwd": (4, 2, 8, f32, f32, f32, f32, f32),
            "rope._qk_bwd": (4, 2, 8, f32, f32, f32, f32, f32, f32, f32)}[name]
     out = launch.example(key, 4096, torch.device(DEVICE))()
     assert all(torch.isfinite(t).all() for t in (out if isinstance(out, tuple) else (out,)))
