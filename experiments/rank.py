@@ -7,17 +7,21 @@ Inputs, (B, H, S, D), per sequence length:
   columns) of one cluster are nearly equal, so every attention matrix has rank about r;
 - ``contiguous-r<r>``: the same, with each cluster one contiguous run of S/r tokens (locality,
   the structure segment-mean landmarks summarise);
-- ``random``: N(0, 1) queries and keys, no low-rank structure.
-Values are N(0, 1).
+- ``random``: N(0, 1) queries and keys, no low-rank structure;
+- ``minilm-l<i>``: real inputs, the queries, keys and values of layer i of all-MiniLM-L6-v2
+  over real text (``minilm.py``; 12 heads of 32 dims, windows of at most 512 word pieces,
+  ``real_layers`` and ``real_seq_lens``), cast to the study's dtype.
+Values of the synthetic inputs are N(0, 1).
 
 Providers, forward: each exact backend of ``exact_providers`` (the kernel manager's, called
 directly), ``nystrom-<r>`` for each rank of ``ranks`` up to S/2, and ``policy``: the path that
 ``rank_mode="auto"``'s policy (``rank.choose_rank``) picks for these inputs (its one-time
 estimate is not timed; the study lifts AdaAttention's minimum length, so the policy is seen at
 every S). Error: against float64 on the first batch element. ``nystrom-<r>`` runs what
-``rank.nystrom_attention`` runs for a forward without autograd: the fused Triton kernels on a GPU
-up to their rank limit, the PyTorch path beyond it and on the CPU (the recorded kernel names say
-which; the report's goal table names the path).
+``rank.nystrom_attention`` runs for a forward without autograd: the Triton kernels on a GPU up
+to their rank limit (the r x r solve fused up to 128 landmarks, batched matmuls beyond), the
+PyTorch path beyond it and on the CPU (the recorded kernel names say which; the report's goal
+table names the path).
 
 Extra rows per case and head: the sampled spectrum rank and entropy rank (the estimators), the
 effective rank of the full attention matrix (99% of the squared singular values; S up to
@@ -40,8 +44,9 @@ from adaattn.attention.rank import choose_rank, estimate_rank, nystrom_attention
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload
 from adaattn.bench.runner import target_sections
-from adaattn.config import Params, Target
+from adaattn.config import ConfigError, Params, Target
 from adaattn.report.common import Section
+from adaattn_experiments import minilm
 from adaattn_experiments.ada_modules import backend_unavailable
 
 ENERGY = 0.99
@@ -73,15 +78,22 @@ class RankStudy:
         self._sec = sec
         kinds = [(f"{layout}-r{r}", r) for layout in sec.cluster_layouts for r in sec.true_ranks]
         kinds += [("random", 0)] if sec.random_inputs else []
+        shapes = [(kind, true_rank, sec.batch, sec.heads, S, sec.head_dim) for kind, true_rank in kinds
+                  for S in sec.seq_lens]
+        if sec.real_layers:
+            why = minilm.unavailable()
+            if why:
+                raise ConfigError(f"G2-C1.{target.profile}.real_layers: real attention inputs {why}; or set "
+                                  "real_layers and real_seq_lens to []")
+            heads, head_dim = minilm.HEADS, minilm.HEAD_DIM
+            shapes += [(f"minilm-l{i}", 0, 1, heads, S, head_dim) for i in sec.real_layers for S in sec.real_seq_lens]
         out = []
-        for kind, true_rank in kinds:
-            for S in sec.seq_lens:
-                providers = (*sec.exact_providers, *(f"nystrom-{r}" for r in sec.ranks if r <= S // 2), "policy")
-                out.append(Case(
-                    case_id=f"G2-C1/{kind}-b{sec.batch}-h{sec.heads}-s{S}-d{sec.head_dim}-{sec.dtype}",
-                    table_id="G2-C1", providers=providers, modes=("fwd",),
-                    config={"inputs": kind, "true_rank": true_rank, "batch": sec.batch, "heads": sec.heads,
-                            "seq_len": S, "head_dim": sec.head_dim, "dtype": sec.dtype}))
+        for kind, true_rank, B, H, S, D in shapes:
+            providers = (*sec.exact_providers, *(f"nystrom-{r}" for r in sec.ranks if r <= S // 2), "policy")
+            out.append(Case(
+                case_id=f"G2-C1/{kind}-b{B}-h{H}-s{S}-d{D}-{sec.dtype}", table_id="G2-C1", providers=providers,
+                modes=("fwd",), config={"inputs": kind, "true_rank": true_rank, "batch": B, "heads": H, "seq_len": S,
+                                        "head_dim": D, "dtype": sec.dtype}))
         self._cases = out
         return out
 
@@ -92,6 +104,11 @@ class RankStudy:
         if self._inputs is None or self._inputs[0] != case.case_id:
             self._inputs = None
             c = case.config
+            dt = DTYPES[c["dtype"]]
+            if c["inputs"].startswith("minilm-l"):
+                layer = int(c["inputs"].removeprefix("minilm-l"))
+                self._inputs = (case.case_id, tuple(t.to(self.device, dt) for t in minilm.qkv(c["seq_len"])[layer]))
+                return self._inputs[1]
             g = torch.Generator(device=self.device).manual_seed(zlib.crc32(case.case_id.encode()))
             B, H, S, D = c["batch"], c["heads"], c["seq_len"], c["head_dim"]
 
@@ -113,7 +130,6 @@ class RankStudy:
                 q, k = clustered(), clustered()
             else:
                 q, k = randn(B, H, S, D), randn(B, H, S, D)
-            dt = DTYPES[c["dtype"]]
             self._inputs = (case.case_id, (q.to(dt), k.to(dt), randn(B, H, S, D).to(dt)))
         return self._inputs[1]
 

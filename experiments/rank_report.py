@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
+from adaattn.attention.nystrom_triton import fused_solve
 from adaattn.report.common import Section, Verdict, fmt, md_table, save_figure
 
 GOAL_SPEEDUP = 2.0  # low-rank at rank <= S/16 at least 2x faster than the best exact backend ...
@@ -22,7 +23,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     runs = df[(df["case_id"] != "machine")]
     ok = runs[runs["status"] == "ok"]
     timed = ok[ok["metric"].isin(["time_ms", "kernel_ms", "rel_l2"])].pivot_table(
-        index=["target", "hardware", "case_id", "inputs", "true_rank", "seq_len"], columns=["metric", "provider"],
+        index=["target", "hardware", "case_id", "inputs", "true_rank", "seq_len", "head_dim"],
+        columns=["metric", "provider"],
         values="value")
     # which Nyström implementation ran (the harness records the kernels of each timed call)
     names = ok[ok["metric"] == "time_ms"].set_index(["case_id", "provider"])["kernel"].fillna("")
@@ -52,7 +54,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     est_mean = est.groupby("case_id")[[c for c in ("spectrum_rank_sampled", "spectrum_rank_full", "entropy_rank")
                                        if c in est]].mean()
     for idx, r in timed.iterrows():
-        target, hw, case_id, inputs, true_rank, S = idx
+        target, hw, case_id, inputs, true_rank, S, D = idx
         times, errs = r["time_ms"].dropna(), r["rel_l2"].dropna()
         ktimes = r["kernel_ms"].dropna() if "kernel_ms" in r.index.get_level_values(0) else pd.Series(dtype=float)
         exact = [p for p in times.index if not p.startswith("nystrom-") and p != "policy"]
@@ -77,7 +79,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                 if n <= S // 16 and p in times:
                     goal_rows.append({
                         "target": target, "hardware": hw, "inputs": inputs, "S": int(S), "landmarks": n,
-                        "path": "fused Triton" if FUSED.search(names.get((case_id, p), "")) else "PyTorch",
+                        "path": _path(names.get((case_id, p), ""), n, int(D)),
                         "speedup vs best exact": times[best] / times[p],
                         "speedup by kernel time": (ktimes[kbest] / ktimes[p] if kbest in ktimes and p in ktimes
                                                    else float("nan")),
@@ -102,13 +104,24 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     if len(shown):
         for col in ("speedup vs best exact", "speedup by kernel time", "rel L2 paid"):
             shown[col] = shown[col].map(fmt)
+    real = sorted({i for i in runs["inputs"].dropna().unique() if str(i).startswith("minilm-l")})
     md = ("\n".join(parts) + "\nPer case: the estimators (mean over heads), the policy's choice and error, the "
-          f"oracle (fewest landmarks of the sweep with rel L2 <= {tol:g}), and the best exact backend.\n\n"
+          f"oracle (fewest landmarks of the sweep with rel L2 <= {tol:g}), and the best exact backend."
+          + (f" Real inputs ({', '.join(real)}): the queries, keys and values of that layer of all-MiniLM-L6-v2 "
+             "(12 heads of 32 dims) over a window of Python's language reference (`experiments/minilm.py`)."
+             if real else "") + "\n\n"
           + md_table(pd.DataFrame(rows)) + "\n\n"
           f"### Goal: low-rank at landmarks <= S/16, S >= {GOAL_MIN_LEN}: speed vs the best exact backend, and the "
           "error it pays\n\n" + (md_table(shown) if len(shown) else "no point of this sweep has S >= "
                                  f"{GOAL_MIN_LEN} (the CPU profile)") + "\n")
     return [Section("G2-C1", "Adaptive rank (rank estimate, Nyström path, policy)", md, verdicts)]
+
+
+def _path(kernels: str, landmarks: int, head_dim: int) -> str:
+    """Which Nyström implementation a timed call ran, from its recorded kernel names."""
+    if not FUSED.search(kernels):
+        return "PyTorch"
+    return "fused Triton" if fused_solve(landmarks, head_dim) else "Triton, batched solve"
 
 
 def _tolerance(df: pd.DataFrame) -> float:

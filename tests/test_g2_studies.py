@@ -19,8 +19,10 @@ PARAMS = Path(__file__).parents[1] / "params.yaml"
 
 
 def _params(**overrides):
-    """params.yaml with ``{"G2-B.cpu.seq_lens": [64], ...}`` applied."""
+    """params.yaml with ``{"G2-B.cpu.seq_lens": [64], ...}`` applied; the rank study's real inputs
+    (a model run, ``test_minilm.py``) off unless an override sets them."""
     raw = copy.deepcopy(load_raw(PARAMS))
+    overrides = {"G2-C1.cpu.real_layers": [], "G2-C1.cpu.real_seq_lens": [], **overrides}
     for dotted, value in overrides.items():
         node = raw
         *path, last = dotted.split(".")
@@ -48,6 +50,8 @@ def _run(study, params):
     ("G2-T3.cpu.heads", 3, "must divide embed_dim"),
     ("G2-C1.cpu.cluster_layouts", ["diagonal"], "spread"),
     ("G2-C1.cpu.exact_providers", ["nystrom"], "allowed: flash_attn"),
+    ("G2-C1.cpu.real_layers", [6], "less than or equal to 5"),
+    ("G2-C1.cpu.real_seq_lens", [1024], "less than or equal to 512"),
 ])
 def test_bad_g2_params_are_rejected_naming_key_and_allowed_values(key, value, message):
     with pytest.raises(ConfigError) as err:

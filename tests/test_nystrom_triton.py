@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import adaattn.attention.rank as rank_mod
-from adaattn.attention.nystrom_triton import MAX_HEAD_DIM, MAX_RANK
+from adaattn.attention.nystrom_triton import MAX_FUSED_SOLVE_RANK, MAX_HEAD_DIM, MAX_RANK, fused_solve
 from adaattn.attention.rank import _pinv, _segment_means, nystrom_attention, nystrom_path
 from adaattn.kernels import set_use_triton_kernels
 
@@ -65,6 +65,21 @@ def test_fused_rows_and_max_rank():
     assert _rel(full, _torch_path(pytest.MonkeyPatch(), q, k, v, MAX_RANK)) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [
+    (1, 4, 2, 200, 330, 24, MAX_FUSED_SOLVE_RANK + 40),  # GQA 2:1, uneven segments, 2 output blocks of landmarks
+    (1, 2, 1, 160, 256, 128, 128),  # head dim 128: past the fused solve's tile limit
+], ids=["rank-past-fused-solve", "rank128-d128"])
+def test_batched_solve_matches_the_torch_path(shape, dtype):
+    B, Hq, Hkv, L, S, D, r = shape
+    q, k, v = _qkv(B, Hq, Hkv, L, S, D, dtype)
+    assert nystrom_path(q, k, v, r) == "triton" and not fused_solve(r, D)
+    out = nystrom_attention(q, k, v, r)
+    ref = _torch_path(pytest.MonkeyPatch(), q, k, v, r)
+    assert out.shape == ref.shape == (B, Hq, L, D) and out.dtype == dtype
+    assert _rel(out, ref) < RTOL[dtype]
+
+
 def test_fused_equals_float64_nystrom_on_its_own_landmarks():
     """Every fp32 step of the fused path (tf32x3 products) against the same maths in float64."""
     q, k, v = _qkv(1, 2, 2, 96, 160, 32, torch.float32)
@@ -83,14 +98,15 @@ def test_path_choice_and_reasons():
     with torch.no_grad():
         assert nystrom_path(q, k, v, 8) == "triton"
     q = q.detach()
-    wide = torch.randn(1, 2, 512, 16, device=DEVICE)
+    wide = torch.randn(1, 1, 2 * MAX_RANK, 16, device=DEVICE)
     assert f"rank {MAX_RANK + 1} > {MAX_RANK}" in nystrom_path(wide, wide, wide, MAX_RANK + 1)
     assert nystrom_path(wide, wide, wide, MAX_RANK + 1).startswith("torch")
+    assert nystrom_path(wide, wide, wide, MAX_RANK) == "triton"
     big_d = torch.randn(1, 1, 32, MAX_HEAD_DIM + 8, device=DEVICE)
     assert f"head dim {MAX_HEAD_DIM + 8}" in nystrom_path(big_d, big_d, big_d, 4)
-    d128 = torch.randn(1, 1, 256, 128, device=DEVICE)
-    assert "rank 128 x head dim 128" in nystrom_path(d128, d128, d128, 128)
-    assert nystrom_path(d128, d128, d128, 64) == "triton"
+    # the r x r solve: fused up to its rank and tile limits, batched matmuls past them
+    assert fused_solve(MAX_FUSED_SOLVE_RANK, 64) and not fused_solve(MAX_FUSED_SOLVE_RANK + 1, 64)
+    assert fused_solve(64, 128) and not fused_solve(128, 128)
     set_use_triton_kernels(False)
     try:
         assert "set_use_triton_kernels(False)" in nystrom_path(q, k, v, 8)
@@ -107,7 +123,7 @@ def test_backward_runs_the_differentiable_path():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,D,r", [(torch.bfloat16, 64, 16), (torch.bfloat16, 64, 64), (torch.bfloat16, 64, 128),
                                        (torch.bfloat16, 128, 64), (torch.float16, 128, 32), (torch.float32, 128, 64),
-                                       (torch.float32, 64, 16)])
+                                       (torch.float32, 64, 16), (torch.bfloat16, 64, 512), (torch.bfloat16, 128, 128)])
 def test_fused_long_sequence_on_cuda(dtype, D, r):
     """S = 8192, GQA 4:1: the fused path within its output dtype's rounding of float64 Nyström on
     the same landmarks (every launch configuration of the fixed table compiles and runs)."""

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator,
+                      model_validator)
 
 from adaattn.attention.providers import PROVIDERS
 
@@ -344,6 +345,17 @@ class G2C1Rank(_Section):
     error_tolerance: float = Field(0.05, gt=0)  # the oracle rank: fewest landmarks with rel_l2 below this
     sample_rows: PositiveInt = 64  # AdaAttention's rank_sample_rows (the policy's sample)
     full_spectrum_max_len: PositiveInt = 4096  # the full-matrix effective rank up to this length
+    # real inputs: q, k, v of these all-MiniLM-L6-v2 layers (0-5) over windows of these lengths
+    # (word pieces, at most its 512 positions); both empty: none
+    real_layers: list[Annotated[int, Field(ge=0, le=5)]] = []
+    real_seq_lens: list[Annotated[int, Field(ge=16, le=512)]] = []
+
+    @model_validator(mode="after")
+    def _real(self) -> G2C1Rank:
+        if bool(self.real_layers) != bool(self.real_seq_lens):
+            raise ValueError("real_layers and real_seq_lens are both set (real inputs) or both empty (none); got "
+                             f"real_layers={self.real_layers}, real_seq_lens={self.real_seq_lens}")
+        return self
 
     @field_validator("exact_providers")
     @classmethod

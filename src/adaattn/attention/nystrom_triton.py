@@ -12,16 +12,21 @@ depends on S. Here the same maths runs in four kernels, all fp32 intermediates i
    product. GQA: the landmark rows of a kv head's g query heads are stacked, k and v read once.
 3. ``_landmark_solve``: one program per query head merges the splits, builds the r x r kernel
    softmax(Q~ K~^T), runs the Newton-Schulz pseudo-inverse in registers and writes
-   W = pinv(kernel) (b v), an (r, D) fp32 matrix.
-4. ``_nystrom_out``: out = softmax(q K~^T) W, a flash forward with r keys.
+   W = pinv(kernel) (b v), an (r, D) fp32 matrix. Past ``MAX_FUSED_SOLVE_RANK`` landmarks (or
+   its tile limit at head dim 128) the iterates no longer fit one program, and one head's solve
+   on one SM would be most of the call's time: ``_solve_batched`` runs the same maths as
+   batched fp32 matmuls over all heads (some 35 launches instead of one).
+4. ``_nystrom_out``: out = softmax(q K~^T) W, a flash forward with r keys (in blocks of at most
+   128, an online softmax across them).
 
 Numerics: what the module docstring of ``rank`` requires in fp32 (landmarks, Q~ k^T, b v, the
 r x r kernel and its pseudo-inverse, W) runs as fp32 products on tensor cores at fp32 accuracy:
 three TF32 products (``input_precision="tf32x3"``), or two where one operand is exact in TF32
 (bf16 and fp16 k and v: ``_split_tf32``). q K~^T runs in the input dtype with fp32 accumulation
-(fp32 inputs: tf32x3). Ranks up to ``MAX_RANK`` (the pseudo-inverse holds its r x r iterates in
-one program's registers; its 24 r^3 products are what limits large ranks) and head dims up to
-``MAX_HEAD_DIM``; beyond them, and whenever autograd needs the graph, the PyTorch path runs.
+(fp32 inputs: tf32x3); the batched solve is fp32 matmuls (TF32 only where the user allows it
+for every fp32 matmul). Ranks up to ``MAX_RANK`` and head dims up to ``MAX_HEAD_DIM``; beyond
+them, and whenever autograd needs the graph, the PyTorch path runs. The pseudo-inverse's 48 r^3
+flops per head grow fastest with the rank: they bound the rank at which the low-rank path pays.
 Launch parameters are fixed (below), not tuned per shape.
 """
 
@@ -34,9 +39,10 @@ from torch import Tensor
 
 from adaattn.kernels.runtime import Launcher, interpreter, last_dim_contiguous, programs_for
 
-MAX_RANK = 128
+MAX_RANK = 1024  # landmarks of the Triton path
+MAX_FUSED_SOLVE_RANK = 128  # the r x r solve in one program per head up to here
 MAX_HEAD_DIM = 128
-MAX_RANK_X_HEAD_DIM = 128 * 64  # padded rank x padded head dim (rank 128 with head dim 128 fails on an H100)
+MAX_RANK_X_HEAD_DIM = 128 * 64  # fused solve: padded rank x padded head dim (128 x 128 fails on an H100)
 LOG2E = 1.4426950408889634
 
 
@@ -223,44 +229,55 @@ def _nystrom_out(Q, WS, O, off_kl, off_w, L, rank, n_heads, group, qk_scale,
                  sq_b, sq_h, sq_l, so_b, so_h, so_l,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                  FP32: tl.constexpr):
-    """Rows [pid_m BLOCK_M, +BLOCK_M) of query head pid_bh: softmax(q K~^T) W, W at WS[off_w:]."""
+    """Rows [pid_m BLOCK_M, +BLOCK_M) of query head pid_bh: softmax(q K~^T) W, W at WS[off_w:].
+    Landmarks in blocks of BLOCK_R with an online softmax (one block up to the fused solve's rank)."""
     KL, W = WS + off_kl, WS + off_w
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b = pid_bh // n_heads
     hq = pid_bh % n_heads
     kv = b * (n_heads // group) + hq // group
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     dmask = (d < HEAD_DIM)[None, :]
     qmask = (rows < L)[:, None] & dmask
     q = tl.load(Q + b.to(tl.int64) * sq_b + hq.to(tl.int64) * sq_h + rows[:, None].to(tl.int64) * sq_l + d[None, :],
                 mask=qmask, other=0.0)
-    lmask = (r < rank)[:, None] & dmask
-    kl = tl.load(KL + (kv * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
-    if FP32:  # fp32 inputs; also the interpreter, whose bf16 tl.dot is wrong (Triton 3.9)
-        s = _dot32(q.to(tl.float32), tl.trans(kl))
-    else:  # K~ holds values of q's dtype: the cast is exact
-        s = tl.dot(q, tl.trans(kl.to(Q.dtype.element_ty)))
-    s = tl.where((r < rank)[None, :], s * qk_scale, float("-inf"))
-    p = tl.exp2(s - tl.max(s, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    w = tl.load(W + (pid_bh * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
-    o = _dot32(p, w)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        lmask = (r < rank)[:, None] & dmask
+        kl = tl.load(KL + (kv * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
+        if FP32:  # fp32 inputs; also the interpreter, whose bf16 tl.dot is wrong (Triton 3.9)
+            s = _dot32(q.to(tl.float32), tl.trans(kl))
+        else:  # K~ holds values of q's dtype: the cast is exact
+            s = tl.dot(q, tl.trans(kl.to(Q.dtype.element_ty)))
+        s = tl.where((r < rank)[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        w = tl.load(W + (pid_bh * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
+        acc = acc * alpha[:, None] + _dot32(p, w)
+        m_i = m_new
+    o = acc / l_i[:, None]
     tl.store(O + b.to(tl.int64) * so_b + hq.to(tl.int64) * so_h + rows[:, None].to(tl.int64) * so_l + d[None, :],
              o.to(O.dtype.element_ty), mask=qmask)
 
 
 def supported(q: Tensor, rank: int) -> str | None:
-    """None when the fused path can run these shapes, else why not."""
+    """None when the Triton path can run these shapes, else why not."""
     if rank > MAX_RANK:
-        return f"rank {rank} > {MAX_RANK} (the pseudo-inverse is held in one program's registers)"
+        return f"rank {rank} > {MAX_RANK} (the Triton path's landmark limit)"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}"
-    if _block(rank) * _block(q.shape[-1]) > MAX_RANK_X_HEAD_DIM:
-        return (f"rank {rank} x head dim {q.shape[-1]} (padded {_block(rank)} x {_block(q.shape[-1])}) > "
-                f"{MAX_RANK_X_HEAD_DIM}: the solve's (r, D) tiles beside its (r, r) iterates exceed one program")
     return None
+
+
+def fused_solve(rank: int, head_dim: int) -> bool:
+    """Whether the r x r solve runs fused in one program per head (else batched fp32 matmuls)."""
+    return rank <= MAX_FUSED_SOLVE_RANK and _block(rank) * _block(head_dim) <= MAX_RANK_X_HEAD_DIM
 
 
 def _block(n: int) -> int:
@@ -276,6 +293,7 @@ LANDMARK_WARPS = 4
 SOLVE_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}  # by padded rank
 MERGE_STAGES = 3
 OUT_BLOCK_M = {16: 64, 32: 64, 64: 64, 128: 64}  # by padded rank (head dim <= 64; halved above)
+OUT_MAX_BLOCK_R = 128  # landmarks per step of the output pass (head dim <= 64; halved above)
 OUT_WARPS = 4
 
 
@@ -322,13 +340,17 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         KV_TF32=k.dtype in (torch.bfloat16, torch.float16) and v.dtype == k.dtype, num_warps=4)
-    _launch_landmark_solve((B * Hq,),
-        ws, off_kl, off_m, off_l, off_acc, off_w, rank, splits, Hq, group, qk_scale, pinv_iters,
-        HEAD_DIM=D, BLOCK_R=block_r, BLOCK_D=block_d, MERGE_STAGES=MERGE_STAGES, num_warps=SOLVE_WARPS[block_r])
+    if fused_solve(rank, D):
+        _launch_landmark_solve((B * Hq,),
+            ws, off_kl, off_m, off_l, off_acc, off_w, rank, splits, Hq, group, qk_scale, pinv_iters,
+            HEAD_DIM=D, BLOCK_R=block_r, BLOCK_D=block_d, MERGE_STAGES=MERGE_STAGES, num_warps=SOLVE_WARPS[block_r])
+    else:
+        _solve_batched(ws, B, Hq, Hkv, rank, D, splits, off_kl, off_m, off_acc, off_w, scale, pinv_iters)
 
     qr = q if rows is None else q[:, :, rows]
     Lr = qr.shape[2]
     out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
+    block_r = min(block_r, OUT_MAX_BLOCK_R // (2 if block_d > 64 else 1))
     block_m = OUT_BLOCK_M[block_r] // (2 if block_d > 64 else 1)
     _launch_nystrom_out((triton.cdiv(Lr, block_m), B * Hq),
         qr, ws, out, off_kl, off_w, Lr, rank, Hq, group, qk_scale,
@@ -336,3 +358,24 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, FP32=q.dtype == torch.float32 or interpreter(),
         num_warps=OUT_WARPS)
     return out
+
+
+def _solve_batched(ws: Tensor, B: int, Hq: int, Hkv: int, rank: int, D: int, splits: int, off_kl: int, off_m: int,
+                   off_acc: int, off_w: int, scale: float, pinv_iters: int) -> None:
+    """W = pinv(softmax(Q~ K~^T)) (b v) into WS[off_w:], for ranks past the fused solve: the same
+    maths as ``_landmark_solve`` (merge the key splits, the landmark kernel, Newton-Schulz) as
+    batched fp32 matmuls over all heads (the r x r iterates no longer fit one program)."""
+    from adaattn.attention.rank import _pinv
+
+    group, n_rows = Hq // Hkv, Hq // Hkv * rank
+    n_part = B * Hkv * splits * n_rows
+    ql = ws[:B * Hq * rank * D].view(B, Hkv, n_rows, D)  # a kv head's query heads' landmarks, stacked
+    kl = ws[off_kl:off_kl + B * Hkv * rank * D].view(B, Hkv, rank, D)
+    m = ws[off_m:off_m + n_part].view(B, Hkv, splits, n_rows)  # row max per split, log2 units
+    l_part = ws[off_m + n_part:off_m + 2 * n_part].view(B, Hkv, splits, n_rows)
+    acc = ws[off_acc:off_acc + n_part * D].view(B, Hkv, splits, n_rows, D)
+    weight = torch.exp2(m - m.amax(2, keepdim=True))
+    bv = (acc * weight[..., None]).sum(2) / (l_part * weight).sum(2)[..., None]
+    a = torch.softmax(ql @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, Hkv, g r, r)
+    a, bv = a.view(B * Hq, rank, rank), bv.view(B * Hq, rank, D)
+    torch.bmm(_pinv(a, pinv_iters), bv, out=ws[off_w:off_w + B * Hq * rank * D].view(B * Hq, rank, D))
