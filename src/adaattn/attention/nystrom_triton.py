@@ -225,12 +225,29 @@ def _landmark_solve(WS, off_kl, off_m, off_l, off_acc, off_w,
 
 
 @triton.jit
+def _out_scores(q, KL, W, kv, pid_bh, rank, r, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                FP32: tl.constexpr):
+    """Scores q K~^T (log2 units, padded landmarks -inf) and the W rows of landmarks ``r``."""
+    d = tl.arange(0, BLOCK_D)
+    lmask = (r < rank)[:, None] & (d < HEAD_DIM)[None, :]
+    kl = tl.load(KL + (kv * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
+    if FP32:  # fp32 inputs; also the interpreter, whose bf16 tl.dot is wrong (Triton 3.9)
+        s = _dot32(q.to(tl.float32), tl.trans(kl))
+    else:  # K~ holds values of q's dtype: the cast is exact
+        s = tl.dot(q, tl.trans(kl.to(q.dtype)))
+    s = tl.where((r < rank)[None, :], s * qk_scale, float("-inf"))
+    w = tl.load(W + (pid_bh * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
+    return s, w
+
+
+@triton.jit
 def _nystrom_out(Q, WS, O, off_kl, off_w, L, rank, n_heads, group, qk_scale,
                  sq_b, sq_h, sq_l, so_b, so_h, so_l,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                 FP32: tl.constexpr):
+                 FP32: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """Rows [pid_m BLOCK_M, +BLOCK_M) of query head pid_bh: softmax(q K~^T) W, W at WS[off_w:].
-    Landmarks in blocks of BLOCK_R with an online softmax (one block up to the fused solve's rank)."""
+    ONE_BLOCK: every landmark in one block of BLOCK_R (up to the fused solve's rank); otherwise
+    blocks of BLOCK_R with an online softmax across them (a loop costs the single block ~15%)."""
     KL, W = WS + off_kl, WS + off_w
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b = pid_bh // n_heads
@@ -242,26 +259,24 @@ def _nystrom_out(Q, WS, O, off_kl, off_w, L, rank, n_heads, group, qk_scale,
     qmask = (rows < L)[:, None] & dmask
     q = tl.load(Q + b.to(tl.int64) * sq_b + hq.to(tl.int64) * sq_h + rows[:, None].to(tl.int64) * sq_l + d[None, :],
                 mask=qmask, other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        lmask = (r < rank)[:, None] & dmask
-        kl = tl.load(KL + (kv * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
-        if FP32:  # fp32 inputs; also the interpreter, whose bf16 tl.dot is wrong (Triton 3.9)
-            s = _dot32(q.to(tl.float32), tl.trans(kl))
-        else:  # K~ holds values of q's dtype: the cast is exact
-            s = tl.dot(q, tl.trans(kl.to(Q.dtype.element_ty)))
-        s = tl.where((r < rank)[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        w = tl.load(W + (pid_bh * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
-        acc = acc * alpha[:, None] + _dot32(p, w)
-        m_i = m_new
-    o = acc / l_i[:, None]
+    if ONE_BLOCK:
+        s, w = _out_scores(q, KL, W, kv, pid_bh, rank, tl.arange(0, BLOCK_R), qk_scale, HEAD_DIM, BLOCK_D, FP32)
+        p = tl.exp2(s - tl.max(s, 1)[:, None])
+        o = _dot32(p / tl.sum(p, 1)[:, None], w)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            s, w = _out_scores(q, KL, W, kv, pid_bh, rank, r0 + tl.arange(0, BLOCK_R), qk_scale, HEAD_DIM, BLOCK_D,
+                               FP32)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot32(p, w)
+            m_i = m_new
+        o = acc / l_i[:, None]
     tl.store(O + b.to(tl.int64) * so_b + hq.to(tl.int64) * so_h + rows[:, None].to(tl.int64) * so_l + d[None, :],
              o.to(O.dtype.element_ty), mask=qmask)
 
@@ -350,13 +365,14 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
     qr = q if rows is None else q[:, :, rows]
     Lr = qr.shape[2]
     out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
+    one_block = block_r <= OUT_MAX_BLOCK_R // (2 if block_d > 64 else 1)
     block_r = min(block_r, OUT_MAX_BLOCK_R // (2 if block_d > 64 else 1))
     block_m = OUT_BLOCK_M[block_r] // (2 if block_d > 64 else 1)
     _launch_nystrom_out((triton.cdiv(Lr, block_m), B * Hq),
         qr, ws, out, off_kl, off_w, Lr, rank, Hq, group, qk_scale,
         qr.stride(0), qr.stride(1), qr.stride(2), out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=D, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, FP32=q.dtype == torch.float32 or interpreter(),
-        num_warps=OUT_WARPS)
+        ONE_BLOCK=one_block, num_warps=OUT_WARPS)
     return out
 
 
