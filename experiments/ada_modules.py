@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.ada import AdaAttention
-from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager
+from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Timing
 from adaattn.attention.providers import DTYPES, PROVIDERS
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload
@@ -78,6 +78,13 @@ def backend_unavailable(backend: str, device: str) -> str | None:
     """Why a kernel-manager backend whose library is optional cannot run here (None: it can)."""
     provider = {"flash_attn": "flash_attn", "xformers": "xformers_cutlass", "flex": "flex"}.get(backend)
     return PROVIDERS[provider].unavailable(device) if provider else None
+
+
+def _timed_name(backend: str, t: Timing | None) -> str:
+    if t is None:
+        return backend
+    gpu = "-" if t.gpu_ms is None else f"{t.gpu_ms:.3g}"
+    return f"{backend} ({t.host_ms:.3g} / {gpu})"
 
 
 class _Direct(nn.Module):
@@ -238,9 +245,12 @@ class ModuleStudy:
         rows = []
         for manager in self._managers.values():
             for key, ranking in manager.rankings.items():
+                times = manager.timings.get(key, {})
                 rows.append({"table_id": self.section_id, "case_id": f"manager/{key}", "provider": "adaattn",
-                             "mode": "", "metric": "manager_ranking", "value": len(ranking), "unit": "backends ranked",
-                             "status": "ok", "reason": "", "kernel": " > ".join(ranking)})
+                             "mode": "", "metric": "manager_ranking", "value": len(ranking),
+                             "unit": "backends ranked (ms per call: host / GPU, as the manager timed them)",
+                             "status": "ok", "reason": "", "kernel": " > ".join(_timed_name(b, times.get(b))
+                                                                                for b in ranking)})
             for (backend, reason), n in manager.fallbacks.items():
                 rows.append({"table_id": self.section_id, "case_id": f"manager/fallback/{backend}",
                              "provider": "adaattn", "mode": "", "metric": "manager_fallbacks", "value": n,

@@ -136,6 +136,9 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
         "### GPU utilization (NVML, % of its sample period with a kernel running, over 1 s of calls)\n\n"
         + (md_table(util_tab) if len(util_tab) else "not measured on these targets (CUDA only)") + "\n\n"
         "### Backend the manager ran (kernels of one call) and its measured ranking per signature\n\n"
+        "The ranking's times are the manager's own (ms per call, host / GPU; forward and backward for a "
+        "signature with gradients; host: the fastest issue of the timed calls), ranked by GPU time; a backend "
+        "whose host time exceeds its GPU time and twice the leanest backend's goes last.\n\n"
         + md_table(kern_tab) + "\n\n" + (md_table(rank_rows) if len(rank_rows) else "") + "\n")
     return [Section("G2-B", "GPU Benchmarking Suite (batch and sequence scaling)", md_b,
                     _goal_verdicts(goal_rows, t)),

@@ -4,6 +4,7 @@ argument errors."""
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -13,7 +14,14 @@ from torch import nn
 from adaattn.attention.ada import AdaAttention
 from adaattn.attention.chunked import chunked_attention
 from adaattn.attention.hardware import HardwareCapabilities
-from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Signature
+from adaattn.attention.kernel_manager import (
+    BACKENDS,
+    AttentionKernelManager,
+    Backend,
+    Signature,
+    Timing,
+    rank_timings,
+)
 from adaattn.attention.precision import PrecisionPolicy
 from adaattn.attention.rank import estimate_rank, nystrom_attention
 
@@ -132,9 +140,63 @@ def test_manager_measures_once_persists_and_reloads(tmp_path, monkeypatch):
     km2 = AttentionKernelManager(backends=["sdpa", "math", "chunked"], cache_path=path)
     monkeypatch.setattr(km2, "_measure", lambda *a: pytest.fail("measured again despite the cache"))
     assert km2(q, k, v)[1] == first
-    # rankings measured under another torch version are not trusted
-    path.write_text(json.dumps({"torch": "0.0", "rankings": saved}))
-    assert AttentionKernelManager(backends=["sdpa", "math", "chunked"], cache_path=path).rankings == {}
+    assert km2.timings == km.timings and set(km2.timings[next(iter(saved))]) == {"chunked", "math", "sdpa"}
+    # rankings measured under another torch version or by another method are not trusted
+    data = json.loads(path.read_text())
+    for stale in ({"torch": "0.0"}, {"method": None}):
+        path.write_text(json.dumps({**data, **stale}))
+        assert AttentionKernelManager(backends=["sdpa", "math", "chunked"], cache_path=path).rankings == {}
+
+
+def test_ranking_by_gpu_time_with_host_heavy_backends_last():
+    cpu = {"a": Timing(2.0, None), "b": Timing(1.0, None), "c": Timing(1.04, None)}
+    assert rank_timings(cpu) == ["b", "c", "a"]
+    # a, b, c: host-bound, host times within 2x of the leanest (e's), ranked by GPU time like the GPU-bound e;
+    # f: the least GPU time, but an issue time over its GPU time and over twice the leanest
+    gpu = {"a": Timing(0.20, 0.05), "b": Timing(0.22, 0.02), "c": Timing(0.15, 0.03), "e": Timing(0.12, 0.5),
+           "f": Timing(0.5, 0.001)}
+    assert rank_timings(gpu) == ["b", "c", "a", "e", "f"]
+    assert rank_timings(gpu, host_slack=5.0) == ["f", "b", "c", "a", "e"]
+
+
+def _slow_backward(delay: float) -> Backend:
+    class Delayed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(delay)
+            return g
+
+    return Backend("slow_bwd", lambda q, k, v, m, c, s: Delayed.apply(BACKENDS["sdpa"].run(q, k, v, m, c, s)),
+                   BACKENDS["sdpa"].why_not)
+
+
+def _slow_forward(delay: float) -> Backend:
+    def run(q, k, v, m, c, s):
+        time.sleep(delay)
+        return BACKENDS["sdpa"].run(q, k, v, m, c, s)
+
+    return Backend("slow_fwd", run, BACKENDS["sdpa"].why_not)
+
+
+def test_training_signature_is_ranked_on_forward_and_backward(monkeypatch):
+    """A backend with a fast forward and a slow backward wins inference, not training."""
+    monkeypatch.setitem(BACKENDS, "slow_bwd", _slow_backward(0.03))
+    monkeypatch.setitem(BACKENDS, "slow_fwd", _slow_forward(0.005))
+    km = AttentionKernelManager(backends=["slow_bwd", "slow_fwd"])
+    q, k, v = _qkv()
+    with torch.no_grad():
+        assert km(q, k, v)[1] == "slow_bwd"
+    q.requires_grad_(True)
+    out, used = km(q, k, v)
+    assert used == "slow_fwd" and len(km.rankings) == 2
+    train = km.timings[Signature.of(q, k, "none").key()]
+    assert train["slow_bwd"].host_ms > 30 > train["slow_fwd"].host_ms > 5
+    out.sum().backward()  # the measurement left the caller's graph alone
+    assert q.grad is not None and q.grad.shape == q.shape
 
 
 def test_unavailable_backend_falls_back_with_its_reason_logged_once(caplog):
@@ -371,3 +433,28 @@ def test_ada_attention_on_cuda_auto_precision():
     stats = ada.get_statistics()
     assert stats["precisions"] == {"bfloat16": 2}  # Hopper / Ampere: bf16 compute from fp32 parameters
     assert stats["total_calls"] == 2 and set(stats["calls"]) <= set(BACKENDS), stats
+
+
+@pytest.mark.gpu
+def test_manager_timing_separates_host_from_gpu_time():
+    """GPU time excludes host gaps (the sleep kernel holds the stream while the host issues calls); host
+    time is the issue time. Two calls of known cost: GPU work with little host time (a sleep kernel, its
+    duration timed alone with events), and 2 ms of host time around a tiny kernel."""
+    from adaattn.attention.kernel_manager import _timed
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cycles = 4_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    alone = []
+    for _ in range(5):
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        alone.append(start.elapsed_time(end))
+    x = torch.ones(16, device=dev)
+    gpu_bound = _timed(lambda: torch.cuda._sleep(cycles), dev, warmup=1, repeats=3)
+    host_bound = _timed(lambda: (time.sleep(0.002), x.add_(1)), dev, warmup=1, repeats=3)
+    print(alone, gpu_bound, host_bound)
+    assert 0.8 * min(alone) < gpu_bound.gpu_ms < 1.2 * max(alone) and gpu_bound.host_ms < 0.5
+    assert host_bound.host_ms > 1.9 and host_bound.gpu_ms < 0.2

@@ -1,14 +1,22 @@
 """AttentionKernelManager: the fastest attention backend that is correct for the inputs, by measurement.
 
 For each signature (hardware, dtype, batch, heads, kv heads, head dim, query and key lengths
-rounded up to a power of two, mask kind, grad mode) the manager times the forward of every
-backend that can run those inputs, once, on the inputs of the first call, and keeps the ranking
-(in memory and, with a ``cache_path``, in a JSON file written atomically, so the next process
-does not measure again; a file written under another torch version is ignored). Training
-signatures are ranked apart from inference ones but, like them, by forward time: a backend
-with a slow backward can win a training signature (a limitation, to be measured by the scaling
-study).
-Calls then go to the fastest. A backend that fails on a call falls back to the next one of the
+rounded up to a power of two, mask kind, grad mode) the manager times every backend that can run
+those inputs, once, on the inputs of the first call, and keeps the ranking (in memory and, with a
+``cache_path``, in a JSON file written atomically, so the next process does not measure again; a
+file written under another torch version or measuring method is ignored). A training signature
+(inputs that need gradients) is timed on forward and backward, an inference one on the forward.
+
+What is timed (``_timed``): the host time to issue a call, and on a GPU the GPU time of its work,
+taken with the GPU held by a sleep kernel while the host issues the timed calls, so that host
+gaps do not count as GPU time. The ranking (``rank_timings``): on a CPU by time per call; on a
+GPU by GPU time, which is what the choice changes wherever the host runs ahead of the GPU (a
+GPU-bound model around the call, a CUDA graph). Host time decides only where it is far out of
+line: a backend whose issue time exceeds both its GPU time and ``HOST_SLACK`` (2x) times the
+leanest backend's goes after the others. Smaller host differences are not trusted: on the H100
+machine of the scaling study, SDPA's issue time (the same host work at every shape) varied by
+more than 2x across the signatures of one run.
+Calls then go to the first. A backend that fails on a call falls back to the next one of the
 ranking; the reason is logged once per (backend, reason) and counted in ``get_statistics()``.
 
 Backends (q (B, Hq, L, D), k and v (B, Hkv, S, D); GQA without copies where the backend allows):
@@ -211,6 +219,104 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
 FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xformers", "sdpa_efficient"})
 
 
+HOST_SLACK = 2.0  # a GPU backend is host-heavy when its issue time exceeds its GPU time and this x the leanest's
+METHOD = 3  # how rankings are measured; a cache written by another method is not trusted
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One backend's time per call on one signature (ms)."""
+
+    host_ms: float  # host time to issue the call (on a CPU, the call)
+    gpu_ms: float | None  # GPU time of the call's work (None on a CPU)
+
+
+def rank_timings(times: dict[str, Timing], host_slack: float = HOST_SLACK) -> list[str]:
+    """Backends fastest first: on a CPU by time per call; on a GPU by GPU time, host-heavy backends last."""
+    if any(t.gpu_ms is None for t in times.values()):
+        return sorted(times, key=lambda n: times[n].host_ms)
+    lean = min(t.host_ms for t in times.values())
+
+    def heavy(t: Timing) -> bool:
+        return t.host_ms > max(t.gpu_ms, host_slack * lean)
+
+    return sorted(times, key=lambda n: (heavy(times[n]), times[n].gpu_ms, times[n].host_ms))
+
+
+@functools.cache
+def _sleep_cycles_per_ms(index: int) -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per ms on this GPU (calibrated once per process)."""
+    with torch.cuda.device(index):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        return 20_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
+def _timed(call: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> Timing:
+    """Host time to issue one ``call`` (the fastest of ``repeats`` calls: the host's noise only adds
+    time) and, on a GPU, the GPU time of its work (the mean of ``repeats`` calls), in ms.
+
+    On a GPU a sleep kernel holds the stream while the host issues the timed calls, so the events
+    around them measure GPU work, not host gaps; the sleep is sized from one issue of the call and
+    doubled (up to three tries) when the host took longer than it."""
+    for _ in range(warmup):
+        call()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        call()
+        issue_ms = (time.perf_counter() - t0) * 1e3  # the GPU was idle: host time (or the whole call if it syncs)
+        torch.cuda.synchronize(device)
+        sleep_ms = 2 * repeats * issue_ms + 0.5
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3 if cuda else 1):
+        if cuda:
+            torch.cuda._sleep(int(sleep_ms * _sleep_cycles_per_ms(device.index or 0)))
+            start.record()
+        host = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - t0) * 1e3)
+        if not cuda:
+            return Timing(min(host), None)
+        end.record()
+        end.synchronize()
+        if sum(host) < sleep_ms:
+            break
+        sleep_ms *= 2
+    return Timing(min(host), start.elapsed_time(end) / repeats)
+
+
+def _workload(run: Run, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+              scale: float | None, grad: bool) -> Callable[[], object]:
+    """One call as the signature makes it: the forward, or forward and backward for a training signature
+    (gradients of the inputs that need them, of a fixed output gradient; nothing accumulates)."""
+    if not grad:
+        def forward():
+            with torch.no_grad():
+                return run(q, k, v, attn_mask, is_causal, scale)
+
+        return forward
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    wrt = [t for t in leaves if t.requires_grad]
+    grad_out: list[Tensor] = []
+
+    def forward_backward():
+        with torch.enable_grad():
+            out = run(*leaves, attn_mask, is_causal, scale)
+            if not grad_out:
+                grad_out.append(torch.randn_like(out))
+            return torch.autograd.grad(out, wrt, grad_out[0])
+
+    return forward_backward
+
+
 def _reason(err: BaseException) -> str:
     first = str(err).splitlines()[0] if str(err) else ""
     return f"{type(err).__name__}: {first}"
@@ -220,7 +326,7 @@ class AttentionKernelManager:
     """Picks, per signature, the fastest backend measured on this machine; falls back down its ranking."""
 
     def __init__(self, backends: list[str] | None = None, cache_path: str | os.PathLike | None = None,
-                 warmup: int = 1, repeats: int = 3):
+                 warmup: int = 1, repeats: int = 5):
         names = list(BACKENDS) if backends is None else list(backends)
         unknown = [n for n in names if n not in BACKENDS]
         if unknown or not names:
@@ -230,6 +336,7 @@ class AttentionKernelManager:
         self.backends = names
         self.warmup, self.repeats = warmup, repeats
         self.cache_path = Path(cache_path) if cache_path is not None else None
+        self.timings: dict[str, dict[str, Timing]] = {}  # signature -> backend -> what its ranking came from
         self.rankings: dict[str, list[str]] = self._load()
         self.calls: Counter[str] = Counter()
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # (backend, reason)
@@ -245,17 +352,23 @@ class AttentionKernelManager:
         except (OSError, json.JSONDecodeError) as err:
             log.warning("ignoring unreadable kernel choice cache %s: %s", self.cache_path, err)
             return {}
-        if data.get("torch") != torch.__version__:
-            log.warning("ignoring kernel choice cache %s: measured under torch %s, this is %s", self.cache_path,
-                        data.get("torch"), torch.__version__)
+        if data.get("torch") != torch.__version__ or data.get("method") != METHOD:
+            log.warning("ignoring kernel choice cache %s: measured under torch %s, method %s; this is %s, method %s",
+                        self.cache_path, data.get("torch"), data.get("method"), torch.__version__, METHOD)
             return {}
-        return {k: v for k, v in data.get("rankings", {}).items() if all(b in BACKENDS for b in v)}
+        rankings = {k: v for k, v in data.get("rankings", {}).items() if all(b in BACKENDS for b in v)}
+        for key, times in data.get("timings", {}).items():
+            if key in rankings:
+                self.timings[key] = {b: Timing(*t) for b, t in times.items()}
+        return rankings
 
     def _save(self) -> None:
         if self.cache_path is None:
             return
         self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"torch": torch.__version__, "rankings": self.rankings}
+        payload = {"torch": torch.__version__, "method": METHOD, "rankings": self.rankings,
+                   "timings": {k: {b: [t.host_ms, t.gpu_ms] for b, t in times.items()}
+                               for k, times in self.timings.items()}}
         fd, tmp = tempfile.mkstemp(dir=self.cache_path.parent, prefix=self.cache_path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=1, sort_keys=True)
@@ -282,31 +395,20 @@ class AttentionKernelManager:
         return [b for b in ranked if b not in self.disabled] if self.disabled else ranked
 
     def _measure(self, sig, q, k, v, attn_mask, is_causal, scale) -> list[str]:
-        times: dict[str, float] = {}
-        sync = torch.cuda.synchronize if q.device.type == "cuda" else (lambda: None)
-        with torch.no_grad():
-            for name, why in self.candidates(sig):
-                if why is not None:
-                    continue
-                run = BACKENDS[name].run
-                try:
-                    for _ in range(self.warmup):
-                        run(q, k, v, attn_mask, is_causal, scale)
-                    samples = []
-                    for _ in range(self.repeats):
-                        sync()
-                        t0 = time.perf_counter()
-                        run(q, k, v, attn_mask, is_causal, scale)
-                        sync()
-                        samples.append(time.perf_counter() - t0)
-                except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
-                    self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
-                    continue
-                times[name] = sorted(samples)[len(samples) // 2]
+        times: dict[str, Timing] = {}
+        for name, why in self.candidates(sig):
+            if why is not None:
+                continue
+            call = _workload(BACKENDS[name].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
+            try:
+                times[name] = _timed(call, q.device, self.warmup, self.repeats)
+            except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
+                self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
         if not times:
             raise RuntimeError(f"no attention backend can run {sig}: " + "; ".join(
                 f"{n}: {w}" for n, w in self.candidates(sig) if w))
-        return sorted(times, key=times.get)
+        self.timings[sig.key()] = times
+        return rank_timings(times)
 
     def _note_fallback(self, name: str, reason: str) -> None:
         if (name, reason) not in self.fallbacks:
