@@ -21,6 +21,7 @@ FLOPs (forward): projections 2*B*S*E*4E, attention 4*B*H*S^2*D (halved if causal
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from adaattn.bench.harness import Case, Workload
 from adaattn.bench.runner import target_sections
 from adaattn.config import Params, Target
 from adaattn.report.common import Section
+from adaattn_experiments.side_by_side import side_by_side_rows
 
 SEED = 0
 
@@ -111,6 +113,10 @@ class ModuleStudy:
     # is judged on the first, the module's Python overhead on the second
     kernel_calls = 10
     host_calls = 20
+    # the 3% goal's time per call (scaling only): adaattn and the direct backends side by side
+    # (``side_by_side.py``), about this many ms of calls per shape and mode, within these rounds
+    side_by_side_ms = {"cuda": 1000.0, "cpu": 3000.0}
+    side_by_side_rounds = {"cuda": (20, 200), "cpu": (10, 60)}
 
     def __init__(self, name: str, section_id: str, table_ids: tuple[str, ...], device: str = "cpu"):
         self.name, self.section_id, self.table_ids, self.device = name, section_id, table_ids, device
@@ -241,8 +247,9 @@ class ModuleStudy:
         return True
 
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
-        """The kernel manager's ranking per signature (fastest first), as it measured it in this run."""
-        rows = []
+        """Scaling: the 3% goal's providers side by side. Both studies: the kernel manager's ranking
+        per signature (fastest first), as it measured it in this run."""
+        rows = self._side_by_side(params, target) if self.section_id == "G2-B" else []
         for manager in self._managers.values():
             for key, ranking in manager.rankings.items():
                 times = manager.timings.get(key, {})
@@ -256,6 +263,20 @@ class ModuleStudy:
                              "provider": "adaattn", "mode": "", "metric": "manager_fallbacks", "value": n,
                              "unit": "calls", "status": "ok", "reason": reason[:300], "kernel": backend})
         return rows
+
+    def _side_by_side(self, params: Params, target: Target) -> list[dict]:
+        """``side_by_side_ms``: adaattn and every available ``direct:<backend>`` of the case, their calls
+        interleaved, per case and mode (the goal's time per call)."""
+        groups = []
+        for case in self.cases(params, target):
+            direct = [p for p in case.providers if p.startswith("direct:") and self.unavailable(p, self.device) is None]
+            base = {"table_id": self.section_id, "case_id": case.case_id, "kernel": "", **case.config}
+            for mode in case.modes:
+                names = ["adaattn"] + [p for p in direct if mode == "fwd" or self.has_backward(p)]
+                groups.append((base, mode, {p: functools.partial(self.setup, case, p, mode != "fwd") for p in names}))
+        lo, hi = self.side_by_side_rounds[self.device]
+        return side_by_side_rows(groups, self.device, keep=("adaattn",), budget_ms=self.side_by_side_ms[self.device],
+                                 min_rounds=lo, max_rounds=hi)
 
     # ------------------------------------------------------------------ report
 

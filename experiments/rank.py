@@ -30,6 +30,7 @@ effective rank of the full attention matrix (99% of the squared singular values;
 
 from __future__ import annotations
 
+import functools
 import zlib
 from pathlib import Path
 from typing import Any
@@ -40,16 +41,20 @@ from torch import Tensor
 
 from adaattn.attention.kernel_manager import BACKENDS
 from adaattn.attention.providers import DTYPES
-from adaattn.attention.rank import choose_rank, estimate_rank, nystrom_attention
+from adaattn.attention.rank import PINV_ITERS, PINV_MATMULS_PER_ITER, choose_rank, estimate_rank, nystrom_attention
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload
 from adaattn.bench.runner import target_sections
+from adaattn.bench.timing import make_timer
 from adaattn.config import ConfigError, Params, Target
 from adaattn.report.common import Section
 from adaattn_experiments import minilm
 from adaattn_experiments.ada_modules import backend_unavailable
+from adaattn_experiments.side_by_side import side_by_side_rows
 
 ENERGY = 0.99
+GOAL_MIN_LEN = 8192  # the issue's low-rank goal: at S >= 8192 ...
+GOAL_RANK_DIV = 16  # ... with at most S / 16 landmarks, >= 2x the best exact backend
 
 
 class RankStudy:
@@ -59,6 +64,10 @@ class RankStudy:
     # on CUDA, also the summed kernel time of 10 profiled calls: the low-rank goal is read on both
     # (the fused Nyström path is a few launches whose host time can exceed their kernel time)
     kernel_calls = 10
+    # the goal's time per call (CUDA): the exact backends and the goal's landmark counts side by
+    # side (``side_by_side.py``), about this many ms of calls per case, within these rounds
+    side_by_side_ms = 1000.0
+    side_by_side_rounds = (20, 200)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -171,6 +180,79 @@ class RankStudy:
     # ------------------------------------------------------------------ estimators (outside the harness)
 
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        rows = self._estimator_rows()
+        if self.device == "cuda":
+            rows += self._side_by_side() + self._solve_floor(params)
+        return rows
+
+    def _goal_cases(self) -> list[tuple[Case, list[int]]]:
+        """The cases the low-rank goal covers (S >= GOAL_MIN_LEN) and their landmark counts of at most
+        S / GOAL_RANK_DIV."""
+        out = []
+        for case in self._cases:
+            S = case.config["seq_len"]
+            ranks = [int(p.removeprefix("nystrom-")) for p in case.providers if p.startswith("nystrom-")]
+            ranks = [r for r in ranks if r <= S // GOAL_RANK_DIV]
+            if S >= GOAL_MIN_LEN and ranks:
+                out.append((case, ranks))
+        return out
+
+    def _side_by_side(self) -> list[dict]:
+        """``side_by_side_ms`` of the goal's cases: the exact backends and ``nystrom-<r>``, interleaved."""
+        groups = []
+        for case, ranks in self._goal_cases():
+            exact = [p for p in self._sec.exact_providers if self.unavailable(p, self.device) is None]
+            names = exact + [f"nystrom-{r}" for r in ranks]
+            base = {"table_id": "G2-C1", "case_id": case.case_id, "kernel": "", **case.config}
+            groups.append((base, "fwd", {p: functools.partial(self.setup, case, p, False) for p in names}))
+        lo, hi = self.side_by_side_rounds
+        # every landmark count is kept: the goal reads each one's speedup, however slow
+        return side_by_side_rows(groups, self.device, keep=[n for _, _, b in groups for n in b if
+                                                            n.startswith("nystrom-")],
+                                 budget_ms=self.side_by_side_ms, min_rounds=lo, max_rounds=hi)
+
+    def _solve_floor(self, params: Params) -> list[dict]:
+        """What the r x r solve of the goal's landmark counts costs at least on this GPU: one batched
+        r x r x r product (B * heads of them) in fp32 and in bf16, times the pseudo-inverse's count of
+        them (``PINV_ITERS`` x ``PINV_MATMULS_PER_ITER``), and a direct LU solve of the same system
+        with head_dim right-hand sides (``torch.linalg.solve``, fp32). Random well-conditioned
+        matrices: the times do not depend on the values."""
+        dev = self.device
+        timer = make_timer(dev, params.bench)
+        rows, seen = [], set()
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for case, ranks in self._goal_cases():
+            c = case.config
+            n = c["batch"] * c["heads"]
+            for r in ranks:
+                if (n, r, c["head_dim"]) in seen:
+                    continue
+                seen.add((n, r, c["head_dim"]))
+                a = torch.randn(n, r, r, device=dev, generator=gen) / r**0.5 + torch.eye(r, device=dev)
+                b = torch.randn(n, r, c["head_dim"], device=dev, generator=gen)
+                a16 = a.to(torch.bfloat16)
+                tf32 = torch.backends.cuda.matmul.allow_tf32
+                torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products, as the solve runs them
+                try:
+                    times = {"pinv_fp32_ms": timer(lambda: torch.bmm(a, a)),
+                             "pinv_bf16_ms": timer(lambda: torch.bmm(a16, a16)),
+                             "lu_solve_ms": timer(lambda: torch.linalg.solve(a, b))}
+                finally:
+                    torch.backends.cuda.matmul.allow_tf32 = tf32
+                n_mm = PINV_ITERS * PINV_MATMULS_PER_ITER
+                units = {"pinv_fp32_ms": f"ms: {n_mm} x one batched fp32 r x r x r product (the pseudo-inverse's count)",
+                         "pinv_bf16_ms": f"ms: {n_mm} x one batched bf16 r x r x r product (the same count at bf16's rate)",
+                         "lu_solve_ms": "ms: torch.linalg.solve, fp32, head_dim right-hand sides"}
+                for metric, q in times.items():
+                    k = n_mm if metric.startswith("pinv") else 1
+                    rows.append({"table_id": "G2-C1", "case_id": f"G2-C1/solve-floor-n{n}-r{r}-d{c['head_dim']}",
+                                 "provider": f"solve-{r}", "mode": "fwd", "metric": metric, "value": k * q.p50,
+                                 "p20": k * q.p20, "p80": k * q.p80, "unit": units[metric], "status": "ok",
+                                 "reason": "", "kernel": "", "batch": c["batch"], "heads": c["heads"],
+                                 "head_dim": c["head_dim"], "dtype": "fp32" if metric != "pinv_bf16_ms" else "bf16"})
+        return rows
+
+    def _estimator_rows(self) -> list[dict]:
         rows = []
         for case in self._cases:
             q, k, v = self.inputs(case)

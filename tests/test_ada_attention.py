@@ -157,6 +157,11 @@ def test_ranking_by_gpu_time_with_host_heavy_backends_last():
            "f": Timing(0.5, 0.001)}
     assert rank_timings(gpu) == ["b", "c", "a", "e", "f"]
     assert rank_timings(gpu, host_slack=5.0) == ["f", "b", "c", "a", "e"]
+    # GPU times within 2% tie (the same kernel through two dispatch paths): the leaner host goes first;
+    # a backend 3% slower on the GPU is no tie, however lean its host
+    tie = {"forced": Timing(0.10, 1.000), "own": Timing(0.05, 1.015), "other": Timing(0.01, 1.03)}
+    assert rank_timings(tie) == ["own", "forced", "other"]
+    assert rank_timings(tie, gpu_tie=0.0) == ["forced", "own", "other"]
 
 
 def _slow_backward(delay: float) -> Backend:
@@ -303,6 +308,29 @@ def test_nystrom_gqa_and_uneven_segments_match_the_repeated_heads():
     low = nystrom_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8, pinv_iters=20)
     assert low.dtype == torch.bfloat16
     assert (low.float() - full).norm() / full.norm() < 2e-2
+
+
+def test_pinv_runs_the_counted_products():
+    """The rank study prices the r x r solve as PINV_ITERS x PINV_MATMULS_PER_ITER batched products:
+    that is what ``_pinv`` runs (counted at the dispatcher), and it inverts a well-conditioned matrix."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from adaattn.attention.rank import PINV_ITERS, PINV_MATMULS_PER_ITER, _pinv
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.mm,
+                                       torch.ops.aten.addmm, torch.ops.aten.matmul):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    a = torch.eye(24).expand(3, 24, 24) + 0.05 * torch.randn(3, 24, 24)
+    with Count():
+        z = _pinv(a, PINV_ITERS)
+    assert Count.n == PINV_ITERS * PINV_MATMULS_PER_ITER
+    torch.testing.assert_close(z @ a, torch.eye(24).expand(3, 24, 24), atol=1e-4, rtol=0)
 
 
 def test_nystrom_is_exact_on_block_low_rank_keys_and_chunked_is_exact():

@@ -88,7 +88,7 @@ def test_outlier_inputs_have_the_configured_outliers():
     assert (x.abs() > 6).sum() == 0
 
 
-def test_module_providers_share_weights_and_match_the_float64_module():
+def test_module_providers_share_weights_and_match_the_float64_module(tmp_path):
     from adaattn_experiments.ada_modules import SCALING
 
     params, _ = _params(**{"G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 32,
@@ -100,6 +100,20 @@ def test_module_providers_share_weights_and_match_the_float64_module():
     assert set(err.provider) == set(params.g2_b.cpu.providers) and (err.value < 1e-5).all(), err[["provider", "value"]]
     ranking = df[df.metric == "manager_ranking"]
     assert len(ranking) and ranking.kernel.str.contains(" > ").all()
+    # the 3% goal's time per call, side by side: adaattn and the direct backends of every shape and mode
+    side = df[df.metric == "side_by_side_ms"]
+    groups = side.groupby(["case_id", "mode"])["provider"].apply(set)
+    assert len(groups) == 2 * 2 * 2  # (batch point, seq point) x causal x (fwd, fwd_bwd)
+    direct = {p for p in params.g2_b.cpu.providers if p.startswith("direct:")}
+    assert all(g == {"adaattn"} | direct for g in groups), groups
+    ok = side[side.status == "ok"]
+    assert "adaattn" in set(ok.provider) and (ok.value > 0).all()
+    from adaattn_experiments.ada_modules_report import render
+
+    g2_b = render("scaling", df, tmp_path)[0]
+    bases = [v.measured.split(":")[0] for v in g2_b.verdicts if v.claim.startswith("goal:")]
+    assert any("interleaved in shuffled rounds" in b for b in bases), bases
+    assert "same, side by side" in g2_b.markdown
 
 
 def test_rank_study_policy_estimators_and_oracle():
@@ -171,3 +185,32 @@ def test_rank_goal_reads_both_timings_and_names_the_path(tmp_path):
     assert {"fused Triton", "PyTorch", "speedup by kernel time"} <= cells
     bases = {v.claim.rsplit("by ", 1)[1] for v in section.verdicts}
     assert bases == {"time per call", "kernel time"}
+
+
+def test_rank_goal_reads_side_by_side_times_and_the_solve_floor(tmp_path):
+    """On a GPU the goal's time per call comes from the side-by-side rows, and a landmark count whose
+    r x r solve alone (pinv products at bf16's rate and an LU solve) exceeds the 2x budget is named
+    as out of reach in the verdict."""
+    from adaattn_experiments.rank import STUDY as RANK
+    from adaattn_experiments.rank_report import render as render_rank
+
+    params, _ = _params(**{"G2-C1.cpu.seq_lens": [256], "G2-C1.cpu.ranks": [8, 16], "G2-C1.cpu.true_ranks": [8],
+                           "G2-C1.cpu.exact_providers": ["sdpa"], "G2-C1.cpu.random_inputs": False,
+                           "G2-C1.cpu.cluster_layouts": ["contiguous"]})
+    df = _run(RANK, params)
+    df.loc[df["seq_len"] == 256, "seq_len"] = 8192  # as if measured at S = 8192 (landmarks <= S/16)
+    times = df[(df["metric"] == "time_ms") & (df["case_id"] != "machine") & (df["provider"] != "policy")]
+    # side by side: sdpa 1 ms, nystrom-8 0.25 ms (4x), nystrom-16 0.8 ms (1.25x); the sweep's own times differ
+    side = times.assign(metric="side_by_side_ms", value=times["provider"].map(
+        {"sdpa": 1.0, "nystrom-8": 0.25, "nystrom-16": 0.8}))
+    c = times.iloc[0]
+    floor = [{**c.to_dict(), "case_id": f"G2-C1/solve-floor-r{r}", "provider": f"solve-{r}", "metric": m,
+              "value": v, "inputs": None, "true_rank": None, "seq_len": None}
+             for r, vals in ((8, (0.01, 0.002, 0.01)), (16, (2.0, 0.9, 0.7)))
+             for m, v in zip(("pinv_fp32_ms", "pinv_bf16_ms", "lu_solve_ms"), vals)]
+    (section,) = render_rank(pd.concat([df, side, pd.DataFrame(floor)], ignore_index=True), tmp_path)
+    per_call = next(v for v in section.verdicts if v.claim.endswith("side by side"))
+    assert per_call.measured.startswith("1.25-4.00x over 2 points; 1 below")
+    assert "at 1 of 2 points (16-16 landmarks) the r x r solve alone" in per_call.reason
+    goal = section.markdown.split("### Goal")[1]
+    assert "pinv products ms (cuBLAS bf16)" in goal and "2x budget ms" in goal

@@ -15,7 +15,9 @@ GPU-bound model around the call, a CUDA graph). Host time decides only where it 
 line: a backend whose issue time exceeds both its GPU time and ``HOST_SLACK`` (2x) times the
 leanest backend's goes after the others. Smaller host differences are not trusted: on the H100
 machine of the scaling study, SDPA's issue time (the same host work at every shape) varied by
-more than 2x across the signatures of one run.
+more than 2x across the signatures of one run. They only break ties: backends within
+``GPU_TIE`` (2%) of each other's GPU time (e.g. SDPA's own dispatch and the cuDNN backend it
+dispatches to, forced) go leanest host first.
 Calls then go to the first. A backend that fails on a call falls back to the next one of the
 ranking; the reason is logged once per (backend, reason) and counted in ``get_statistics()``.
 
@@ -220,7 +222,11 @@ FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xform
 
 
 HOST_SLACK = 2.0  # a GPU backend is host-heavy when its issue time exceeds its GPU time and this x the leanest's
-METHOD = 3  # how rankings are measured; a cache written by another method is not trusted
+# GPU times within 2% are a tie, broken by host time: SDPA's own dispatch and forced cuDNN run the same
+# kernel (H100 scaling run at code 1a538248: their GPU times within 1.5% at all 18 signatures), and
+# forcing a backend costs a context manager on the host every call
+GPU_TIE = 0.02
+METHOD = 4  # how rankings are measured; a cache written by another method is not trusted
 
 
 @dataclass(frozen=True)
@@ -231,16 +237,24 @@ class Timing:
     gpu_ms: float | None  # GPU time of the call's work (None on a CPU)
 
 
-def rank_timings(times: dict[str, Timing], host_slack: float = HOST_SLACK) -> list[str]:
-    """Backends fastest first: on a CPU by time per call; on a GPU by GPU time, host-heavy backends last."""
+def rank_timings(times: dict[str, Timing], host_slack: float = HOST_SLACK, gpu_tie: float = GPU_TIE) -> list[str]:
+    """Backends fastest first: on a CPU by time per call; on a GPU by GPU time, a tie (within
+    ``gpu_tie``) broken by host time, host-heavy backends last."""
     if any(t.gpu_ms is None for t in times.values()):
         return sorted(times, key=lambda n: times[n].host_ms)
     lean = min(t.host_ms for t in times.values())
 
-    def heavy(t: Timing) -> bool:
-        return t.host_ms > max(t.gpu_ms, host_slack * lean)
+    def heavy(n: str) -> bool:
+        return times[n].host_ms > max(times[n].gpu_ms, host_slack * lean)
 
-    return sorted(times, key=lambda n: (heavy(times[n]), times[n].gpu_ms, times[n].host_ms))
+    rest = sorted(times, key=lambda n: (heavy(n), times[n].gpu_ms, times[n].host_ms))
+    out: list[str] = []
+    while rest:  # the next backend, and those tied with it on GPU time, leanest host first
+        head = rest[0]
+        tied = [n for n in rest if heavy(n) == heavy(head) and times[n].gpu_ms <= (1 + gpu_tie) * times[head].gpu_ms]
+        out += sorted(tied, key=lambda n: times[n].host_ms)
+        rest = [n for n in rest if n not in tied]
+    return out
 
 
 @functools.cache

@@ -64,6 +64,10 @@ def estimate_rank(q: Tensor, k: Tensor, sample_rows: int = 64, energy: float = 0
     return {"spectrum": spectrum.float().mean(0), "entropy": entropy.exp().mean(0)}
 
 
+PINV_ITERS = 6  # Newton-Schulz iterations of the pseudo-inverse (Nyströmformer's default)
+PINV_MATMULS_PER_ITER = 4  # r x r x r products per iteration (``_pinv``): what bounds the solve's time
+
+
 def _segment_means(x: Tensor, r: int) -> Tensor:
     """(B, H, S, D) -> (B, H, r, D) fp32: means of r contiguous segments, segment i the rows
     floor(i S / r) .. floor((i + 1) S / r) - 1 (sizes differ by at most one). When r divides S,
@@ -78,7 +82,7 @@ def _segment_means(x: Tensor, r: int) -> Tensor:
 
 
 def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | None = None,
-                      pinv_iters: int = 6, rows: Tensor | None = None) -> Tensor:
+                      pinv_iters: int = PINV_ITERS, rows: Tensor | None = None) -> Tensor:
     """Nyström approximation of softmax(q k^T * scale) v with ``rank`` landmarks; no mask.
     q (B, Hq, L, D), k and v (B, Hkv, S, D); GQA without copying k or v (the query heads of a kv
     head are stacked). q K~^T runs in the input dtype (fp32 accumulation; q is never copied to

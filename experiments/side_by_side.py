@@ -1,0 +1,170 @@
+"""Time per call side by side: the calls of a goal's providers interleaved in shuffled rounds.
+
+The issue's two speed goals compare providers' time per call (AdaAttention vs the fastest backend
+called directly, scaling; the low-rank path vs the best exact backend, rank). The harness times
+one provider's calls and then the next one's; where a call is mostly host time, the host's speed
+drifts between them: in the H100 scaling run at code 55172f7d (``host_ms`` rows) AdaAttention took
+0.51 ms of host time per call against direct:sdpa_cudnn's 0.26 at B=4 S=1024, but 0.17 against
+0.29 at B=1 S=2048, though it runs more Python than the direct call at both: the drift is far more
+than the 3% the goal is about. Here every round calls each provider once, in an order shuffled
+per round (a fixed seed), so a drift lands on every provider alike. Each call is timed as the
+harness times it (CUDA events after an L2 flush on a GPU; ``perf_counter`` on a CPU). On a GPU a
+provider's turn is a burst of ``BURST`` calls back to back, the queue drained before it and its
+first call not counted: the later ones see what the harness's calls see (the previous call of
+the same provider still on the GPU). One call per turn behind another provider's GPU work would
+hide a host-bound call's host time (the first run of this file timed the fused Nyström path at
+its kernel time that way, 4x under its time per call); one call per turn on a drained queue
+would add every provider's launch latency instead.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from adaattn.bench.harness import Workload
+from adaattn.bench.timing import Quantiles, quantiles
+
+SEED = 0  # the round orders
+WARMUP_CALLS = 3  # per provider, timed alone before the rounds
+BURST = 4  # CUDA: calls per provider per round, back to back; the first is not counted
+CONTENDER = 3.0  # a provider this much slower than the fastest in warm-up is not timed in the rounds
+
+
+def call_of(w: Workload, mode: str) -> Callable[[], object]:
+    """One call of ``w`` in ``mode``, as the harness times it: "fwd" (run it under ``torch.no_grad``)
+    or "fwd_bwd" (forward and backward with fixed output gradients, the inputs' gradients cleared
+    first; run it under ``torch.enable_grad``)."""
+    if mode == "fwd":
+        return w.fwd
+    if mode != "fwd_bwd":
+        raise ValueError(f"mode {mode!r} is not one of: fwd, fwd_bwd")
+    with torch.enable_grad():
+        out = w.fwd()
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = tuple(torch.randn_like(t) for t in outs)
+    del out, outs  # and their graph
+
+    def fwd_bwd() -> None:
+        for t in w.inputs:
+            t.grad = None
+        y = w.fwd()
+        torch.autograd.backward(y if isinstance(y, tuple) else (y,), grads)
+
+    return fwd_bwd
+
+
+def shuffled_rounds(n_calls: int, rounds: int, seed: int = SEED) -> list[list[int]]:
+    """The order of each round: every index once, shuffled (reproducibly)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rounds):
+        order = list(range(n_calls))
+        rng.shuffle(order)
+        out.append(order)
+    return out
+
+
+def warm_ms(call: Callable[[], object], device: str, calls: int = WARMUP_CALLS) -> float:
+    """The fastest of ``calls`` calls (ms, synchronised): the warm-up, and an estimate of one call."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    best = math.inf
+    for _ in range(calls):
+        sync()
+        t0 = time.perf_counter()
+        call()
+        sync()
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
+
+
+def interleaved_times_ms(calls: Sequence[Callable[[], object]], device: str, rounds: int) -> list[Quantiles]:
+    """Quantiles of each call's time (ms) over ``rounds`` shuffled rounds of one turn each (on a GPU,
+    ``BURST`` - 1 counted calls per turn; on a CPU, one)."""
+    if not calls or rounds < 1:
+        raise ValueError(f"need calls and rounds >= 1; got {len(calls)} calls, {rounds} rounds")
+    order = shuffled_rounds(len(calls), rounds)
+    samples: list[list[float]] = [[] for _ in calls]
+    if device == "cuda":
+        flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")  # the L2, as CudaTimer
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(rounds * len(calls) * BURST)]
+        pending = []
+        for r in order:
+            for i in r:
+                # a burst per provider, the queue drained before it, so that no call's host time hides
+                # behind another provider's GPU work; within the burst, calls back to back as CudaTimer
+                # times them, and the first (which starts on an idle queue) is not counted
+                torch.cuda.synchronize()
+                for b in range(BURST):
+                    s, e = events[len(pending)]
+                    flush.zero_()
+                    s.record()
+                    calls[i]()
+                    e.record()
+                    pending.append(i if b else -1)
+        torch.cuda.synchronize()
+        for i, (s, e) in zip(pending, events, strict=True):
+            if i >= 0:
+                samples[i].append(s.elapsed_time(e))
+    else:
+        for r in order:
+            for i in r:
+                t0 = time.perf_counter()
+                calls[i]()
+                samples[i].append((time.perf_counter() - t0) * 1e3)
+    return [quantiles(s) for s in samples]
+
+
+def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], Workload]]]], device: str,
+                      keep: Sequence[str], budget_ms: float, min_rounds: int, max_rounds: int) -> list[dict]:
+    """``side_by_side_ms`` rows, one per (group, provider). A group: (the rows' common fields: table,
+    case and config columns; mode; provider -> a function that builds its workload). Each group's
+    providers are warmed up and timed alone first; ``keep`` names the providers under test, always
+    timed; any other one more than ``CONTENDER`` x the fastest of those others cannot be the best
+    of them and is left out of the rounds (a "pruned" row).
+    Then as many rounds as fit ``budget_ms``, within [min_rounds, max_rounds]. A provider whose
+    workload fails to build or run gets an error row; the others still run."""
+    if not 1 <= min_rounds <= max_rounds:
+        raise ValueError(f"need 1 <= min_rounds <= max_rounds; got {min_rounds}, {max_rounds}")
+    rows = []
+    for base, mode, builders in groups:
+        how = (f"CUDA events after an L2 flush, {BURST}-call bursts on a drained queue, the first not counted"
+               if device == "cuda" else "perf_counter")
+        unit = f"ms per call (p50; calls interleaved with the group's other providers in shuffled rounds, {how})"
+        row = {**base, "mode": mode, "metric": "side_by_side_ms", "value": None, "unit": unit}
+        names, calls, est = [], [], []
+        grad = torch.enable_grad if mode != "fwd" else torch.no_grad
+        with grad():
+            for name, build in builders.items():
+                try:
+                    call = call_of(build(), mode)
+                    est.append(warm_ms(call, device))  # a provider that cannot run these inputs fails here
+                except Exception as err:  # noqa: BLE001 - a status row says why; the group goes on
+                    rows.append({**row, "provider": name, "status": "error",
+                                 "reason": f"{type(err).__name__}: {err}"[:300]})
+                    continue
+                names.append(name)
+                calls.append(call)
+            if not calls:
+                continue
+            rivals = [t for n, t in zip(names, est, strict=True) if n not in keep]
+            fastest = min(rivals) if rivals else math.inf
+            timed = [i for i, (n, t) in enumerate(zip(names, est, strict=True)) if n in keep or t <= CONTENDER * fastest]
+            for i in set(range(len(names))) - set(timed):
+                rows.append({**row, "provider": names[i], "status": "pruned",
+                             "reason": f"warm-up {est[i]:.3g} ms > {CONTENDER:g}x the fastest ({fastest:.3g} ms)"})
+            per_turn = BURST if device == "cuda" else 1
+            rounds = min(max_rounds, max(min_rounds, math.ceil(budget_ms / per_turn / sum(est[i] for i in timed))))
+            times = interleaved_times_ms([calls[i] for i in timed], device, rounds)
+        for i, q in zip(timed, times, strict=True):
+            rows.append({**row, "provider": names[i], "value": q.p50, "p20": q.p20, "p80": q.p80, "mean": q.mean,
+                         "std": q.std, "unit": f"{unit}; {rounds} rounds", "status": "ok", "reason": ""})
+        del calls
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,71 @@
+"""Side-by-side timing (experiments/side_by_side.py): rounds are shuffled permutations, the calls
+really interleave, a mode's call is what the harness times, and slow or failing providers become
+status rows without stopping the others."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from adaattn.bench.harness import Workload
+from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_times_ms, shuffled_rounds,
+                                              side_by_side_rows)
+
+
+def test_rounds_are_reproducible_shuffled_permutations():
+    rounds = shuffled_rounds(4, 30)
+    assert all(sorted(r) == [0, 1, 2, 3] for r in rounds)
+    assert rounds == shuffled_rounds(4, 30)
+    assert len({tuple(r) for r in rounds}) > 5  # not one fixed order
+
+
+def test_calls_interleave_and_each_gets_its_own_time():
+    log: list[int] = []
+
+    def call(i: int, ms: float):
+        def run():
+            log.append(i)
+            time.sleep(ms / 1e3)
+        return run
+
+    times = interleaved_times_ms([call(0, 0.0), call(1, 5.0), call(2, 0.0)], "cpu", rounds=8)
+    assert [q.n for q in times] == [8, 8, 8]
+    assert all(sorted(log[3 * j:3 * j + 3]) == [0, 1, 2] for j in range(8))  # one of each per round
+    assert times[1].p50 >= 5.0 > 4 * max(times[0].p50, times[2].p50)
+
+
+def test_fwd_bwd_call_clears_gradients_and_runs_backward():
+    x = torch.randn(3, 4, requires_grad=True)
+    call = call_of(Workload(fwd=lambda: x * 2, inputs=[x]), "fwd_bwd")
+    with torch.enable_grad():
+        call()
+        first = x.grad.clone()
+        call()
+    torch.testing.assert_close(x.grad, first)  # cleared, not accumulated
+    assert (first != 0).all()
+
+
+def _sleeper(ms: float) -> Workload:
+    x = torch.zeros(1)
+    return Workload(fwd=lambda: (time.sleep(ms / 1e3), x)[1], inputs=[x])
+
+
+def _fails() -> Workload:
+    raise RuntimeError("backend missing here")
+
+
+def test_slow_providers_are_pruned_unless_kept_and_failures_are_rows():
+    base = {"table_id": "T", "case_id": "c", "kernel": ""}
+    # "kept" (the provider under test) is far faster than its rivals: the rivals are pruned against
+    # the fastest rival, not against it
+    builders = {"fast": lambda: _sleeper(10.0), "slow": lambda: _sleeper(CONTENDER * 40.0), "broken": _fails,
+                "kept": lambda: _sleeper(0.0)}
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=20, min_rounds=3,
+                             max_rounds=5)
+    status = {r["provider"]: r["status"] for r in rows}
+    assert status == {"fast": "ok", "slow": "pruned", "broken": "error", "kept": "ok"}
+    by = {r["provider"]: r for r in rows}
+    assert "backend missing here" in by["broken"]["reason"] and "x the fastest" in by["slow"]["reason"]
+    assert by["kept"]["value"] < by["fast"]["value"] and by["fast"]["metric"] == "side_by_side_ms"
+    assert "3 rounds" in by["fast"]["unit"]  # the budget (20 ms) fits fewer rounds than the minimum
