@@ -139,3 +139,14 @@ def test_fused_long_sequence_on_cuda(dtype, D, r):
     assert nystrom_path(q, k, v, r) == "triton"
     rounding = _rel(ref.to(dtype), ref)
     assert _rel(out, ref) < 2 * rounding + (1e-5 if dtype == torch.float32 else 1e-3)
+
+
+def test_launch_plan_integer_helpers_match_triton():
+    """The cached launch plan uses plain-int helpers in place of triton's constexpr functions (host
+    time): they agree with triton's on every size up to 4096."""
+    import triton
+
+    from adaattn.attention.nystrom_triton import _block, _cdiv
+
+    assert all(_block(n) == max(16, triton.next_power_of_2(n)) for n in range(1, 4097))
+    assert all(_cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 600) for b in (1, 7, 16, 64, 128))

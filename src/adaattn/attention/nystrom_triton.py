@@ -32,6 +32,9 @@ Launch parameters are fixed (below), not tuned per shape.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -296,7 +299,7 @@ def fused_solve(rank: int, head_dim: int) -> bool:
 
 
 def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, 1 << (n - 1).bit_length())  # the next power of two, at least 16
 
 
 # launch parameters, fixed: chosen from a sweep of kernel times on an H100 (S = 8192, 8 heads, D = 64,
@@ -316,6 +319,59 @@ _launch_landmarks, _launch_bv_partial, _launch_landmark_solve, _launch_nystrom_o
     Launcher(k) for k in (_landmarks, _bv_partial, _landmark_solve, _nystrom_out))
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A shape's launch parameters and workspace layout (offsets in fp32 elements)."""
+
+    block_d: int
+    block_r: int
+    bv_block_m: int
+    m_blocks: int
+    splits: int
+    chunk: int
+    n_rows: int
+    off_kl: int
+    off_m: int
+    off_l: int
+    off_acc: int
+    off_w: int
+    numel: int
+    fused: bool
+    out_block_m: int
+    out_block_r: int
+    out_one_block: bool
+
+
+def _cdiv(a: int, b: int) -> int:  # plain ints: triton.cdiv is a constexpr function, slower on the host
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(B: int, Hq: int, Hkv: int, S: int, D: int, rank: int, device: torch.device) -> _Plan:
+    """Computed once per shape: on the GPU machine's host this integer work cost more than a launch."""
+    group = Hq // Hkv
+    block_d, block_r = _block(D), _block(rank)
+    n_rows = group * rank  # landmark rows per kv head
+    bv_block_m = min(32 if block_d > 64 else 64, _block(n_rows))
+    m_blocks = _cdiv(n_rows, bv_block_m)
+    want = programs_for(1 << 30, device, per_sm=BV_PROGRAMS_PER_SM)
+    splits = max(1, min(_cdiv(S, BV_BLOCK_N), want // (m_blocks * B * Hkv)))
+    chunk = _cdiv(_cdiv(S, splits), BV_BLOCK_N) * BV_BLOCK_N
+    splits = _cdiv(S, chunk)
+    # workspace: Q~ | K~ | row max | row sum | unnormalised b v per split | W
+    n_ql = B * Hq * rank * D
+    n_part = B * Hkv * splits * n_rows
+    off_kl = n_ql
+    off_m = off_kl + B * Hkv * rank * D
+    off_l, off_acc = off_m + n_part, off_m + 2 * n_part
+    off_w = off_acc + n_part * D
+    halve = 2 if block_d > 64 else 1
+    out_block_r = min(block_r, OUT_MAX_BLOCK_R // halve)
+    return _Plan(block_d, block_r, bv_block_m, m_blocks, splits, chunk, n_rows, off_kl, off_m, off_l, off_acc, off_w,
+                 off_w + n_ql, fused_solve(rank, D), OUT_BLOCK_M[out_block_r] // halve, out_block_r,
+                 block_r <= OUT_MAX_BLOCK_R // halve)
+
+
 def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pinv_iters: int,
                     rows: Tensor | None = None) -> Tensor:
     """softmax(q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ k^T) v with ``rank`` segment-mean
@@ -328,51 +384,34 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
     group = Hq // Hkv
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     qk_scale = scale * LOG2E
-    block_d, block_r = _block(D), _block(rank)
-    n_rows = group * rank  # landmark rows per kv head
-    block_m = min(32 if block_d > 64 else 64, max(16, triton.next_power_of_2(n_rows)))
-    block_n = BV_BLOCK_N
-    m_blocks = triton.cdiv(n_rows, block_m)
-    want = programs_for(1 << 30, q.device, per_sm=BV_PROGRAMS_PER_SM)
-    splits = max(1, min(triton.cdiv(S, block_n), want // (m_blocks * B * Hkv)))
-    chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
-    splits = triton.cdiv(S, chunk)
-    # workspace: Q~ | K~ | row max | row sum | unnormalised b v per split | W
-    n_ql = B * Hq * rank * D
-    n_part = B * Hkv * splits * n_rows
-    off_kl = n_ql
-    off_m = off_kl + B * Hkv * rank * D
-    off_l, off_acc = off_m + n_part, off_m + 2 * n_part
-    off_w = off_acc + n_part * D
-    ws = torch.empty(off_w + n_ql, device=q.device, dtype=torch.float32)
+    p = _plan(B, Hq, Hkv, S, D, rank, q.device)
+    ws = torch.empty(p.numel, device=q.device, dtype=torch.float32)
 
     _launch_landmarks((rank, B * (Hq + Hkv)),
-        q, k, ws, off_kl, L, S, rank, Hq, Hkv, B * Hq,
+        q, k, ws, p.off_kl, L, S, rank, Hq, Hkv, B * Hq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        HEAD_DIM=D, BLOCK_T=max(16, LANDMARK_TILE // block_d), BLOCK_D=block_d, num_warps=LANDMARK_WARPS)
-    _launch_bv_partial((m_blocks, B * Hkv, splits),
-        ws, k, v, off_m, off_l, off_acc, n_rows, S, chunk, Hkv, qk_scale,
+        HEAD_DIM=D, BLOCK_T=max(16, LANDMARK_TILE // p.block_d), BLOCK_D=p.block_d, num_warps=LANDMARK_WARPS)
+    _launch_bv_partial((p.m_blocks, B * Hkv, p.splits),
+        ws, k, v, p.off_m, p.off_l, p.off_acc, p.n_rows, S, p.chunk, Hkv, qk_scale,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HEAD_DIM=D, BLOCK_M=p.bv_block_m, BLOCK_N=BV_BLOCK_N, BLOCK_D=p.block_d,
         KV_TF32=k.dtype in (torch.bfloat16, torch.float16) and v.dtype == k.dtype, num_warps=4)
-    if fused_solve(rank, D):
+    if p.fused:
         _launch_landmark_solve((B * Hq,),
-            ws, off_kl, off_m, off_l, off_acc, off_w, rank, splits, Hq, group, qk_scale, pinv_iters,
-            HEAD_DIM=D, BLOCK_R=block_r, BLOCK_D=block_d, MERGE_STAGES=MERGE_STAGES, num_warps=SOLVE_WARPS[block_r])
+            ws, p.off_kl, p.off_m, p.off_l, p.off_acc, p.off_w, rank, p.splits, Hq, group, qk_scale, pinv_iters,
+            HEAD_DIM=D, BLOCK_R=p.block_r, BLOCK_D=p.block_d, MERGE_STAGES=MERGE_STAGES,
+            num_warps=SOLVE_WARPS[p.block_r])
     else:
-        _solve_batched(ws, B, Hq, Hkv, rank, D, splits, off_kl, off_m, off_acc, off_w, scale, pinv_iters)
+        _solve_batched(ws, B, Hq, Hkv, rank, D, p.splits, p.off_kl, p.off_m, p.off_acc, p.off_w, scale, pinv_iters)
 
     qr = q if rows is None else q[:, :, rows]
     Lr = qr.shape[2]
     out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
-    one_block = block_r <= OUT_MAX_BLOCK_R // (2 if block_d > 64 else 1)
-    block_r = min(block_r, OUT_MAX_BLOCK_R // (2 if block_d > 64 else 1))
-    block_m = OUT_BLOCK_M[block_r] // (2 if block_d > 64 else 1)
-    _launch_nystrom_out((triton.cdiv(Lr, block_m), B * Hq),
-        qr, ws, out, off_kl, off_w, Lr, rank, Hq, group, qk_scale,
+    _launch_nystrom_out((_cdiv(Lr, p.out_block_m), B * Hq),
+        qr, ws, out, p.off_kl, p.off_w, Lr, rank, Hq, group, qk_scale,
         qr.stride(0), qr.stride(1), qr.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=D, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_D=block_d, FP32=q.dtype == torch.float32 or interpreter(),
-        ONE_BLOCK=one_block, num_warps=OUT_WARPS)
+        HEAD_DIM=D, BLOCK_M=p.out_block_m, BLOCK_R=p.out_block_r, BLOCK_D=p.block_d,
+        FP32=q.dtype == torch.float32 or interpreter(), ONE_BLOCK=p.out_one_block, num_warps=OUT_WARPS)
     return out
 
 
