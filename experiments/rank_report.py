@@ -129,14 +129,18 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     md = ("\n".join(parts) + "\nPer case: the estimators (mean over heads), the policy's choice and error, the "
           f"oracle (fewest landmarks of the sweep with rel L2 <= {tol:g}), and the best exact backend."
           + (f" Real inputs ({', '.join(real)}): the queries, keys and values of that layer of all-MiniLM-L6-v2 "
-             "(12 heads of 32 dims) over a window of Python's language reference (`experiments/minilm.py`)."
+             "(12 heads of 32 dims) over a window of Python's language reference (`experiments/minilm.py`), "
+             "captured once by the `real_inputs` stage and read by every target"
+             + "".join(f"; {t}: {src}" for t, src in _real_sources(ok).items()) + "."
              if real else "") + "\n\n"
           + md_table(pd.DataFrame(rows)) + "\n\n"
           f"### Goal: low-rank at landmarks <= S/{GOAL_RANK_DIV}, S >= {GOAL_MIN_LEN}: speed vs the best exact "
           "backend, and the error it pays\n\n"
           "Time per call: the best exact backend's over the low-rank path's, on a GPU from the goal's providers "
           "timed side by side after the sweep (one turn of each per round in a shuffled order, a turn "
-          f"{BURST} calls back to back on a drained queue, the first not counted: `experiments/side_by_side.py`); kernel time: the sweep's interleaved kernel traces. The budget is the "
+          f"{BURST} calls on a flushed, drained queue, the first not counted, the other {BURST - 1} back to back and "
+          "timed together: `experiments/side_by_side.py`); kernel time: the sweep's interleaved kernel traces. "
+          "The budget is the "
           f"time the whole low-rank call may take ({GOAL_SPEEDUP:g}x faster than the best exact). The r x r "
           f"solve's cost on this GPU: the pseudo-inverse's {PINV_ITERS * PINV_MATMULS_PER_ITER} batched products "
           f"({PINV_ITERS} Newton-Schulz iterations of {PINV_MATMULS_PER_ITER}) as cuBLAS runs them in fp32 and in "
@@ -192,3 +196,10 @@ def _tolerance(df: pd.DataFrame) -> float:
     if len(tol) != 1:
         raise ValueError(f"expected one policy tolerance in the rank results, found {list(tol)}")
     return float(tol[0])
+
+
+def _real_sources(ok: pd.DataFrame) -> dict[str, str]:
+    """target -> where its real inputs came from (the ``real_inputs_source`` row: the capture's source)."""
+    rows = ok[ok["metric"] == "real_inputs_source"]
+    return dict(zip(rows["target"], rows["unit"].str.removeprefix("windows, ") + " (" + rows["kernel"] + ")",
+                    strict=True))

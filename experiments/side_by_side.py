@@ -7,14 +7,19 @@ drifts between them: in the H100 scaling run at code 55172f7d (``host_ms`` rows)
 0.51 ms of host time per call against direct:sdpa_cudnn's 0.26 at B=4 S=1024, but 0.17 against
 0.29 at B=1 S=2048, though it runs more Python than the direct call at both: the drift is far more
 than the 3% the goal is about. Here every round calls each provider once, in an order shuffled
-per round (a fixed seed), so a drift lands on every provider alike. Each call is timed as the
-harness times it (CUDA events after an L2 flush on a GPU; ``perf_counter`` on a CPU). On a GPU a
-provider's turn is a burst of ``BURST`` calls back to back, the queue drained before it and its
-first call not counted: the later ones see what the harness's calls see (the previous call of
-the same provider still on the GPU). One call per turn behind another provider's GPU work would
-hide a host-bound call's host time (the first run of this file timed the fused Nyström path at
-its kernel time that way, 4x under its time per call); one call per turn on a drained queue
-would add every provider's launch latency instead.
+per round (a fixed seed), so a drift lands on every provider alike. On a CPU a turn is one call
+timed with ``perf_counter``. On a GPU a turn is ``BURST`` calls: the L2 flushed and the queue
+drained first, one call that is not counted (its host time runs on an idle GPU), then
+``BURST`` - 1 calls back to back between two CUDA events, their mean the sample: a steady stream
+of calls, as a model's loop makes them, whose time is the host's where the call is host-bound
+and the GPU's where it is GPU-bound.
+
+Designs measured and dropped (H100): one call per turn behind another provider's GPU work hid a
+host-bound call's host time (the fused Nyström path came out at its kernel time, 4x under its
+time per call); one call per turn on a drained queue added every provider's launch latency; an
+L2 flush before each counted call overlapped the next call's host time, and two identical
+providers then differed by up to 18% at a host-bound shape (B=1 S=512 E=512 bf16, scratch run at
+code 540a0c9d).
 """
 
 from __future__ import annotations
@@ -84,7 +89,7 @@ def warm_ms(call: Callable[[], object], device: str, calls: int = WARMUP_CALLS) 
 
 def interleaved_times_ms(calls: Sequence[Callable[[], object]], device: str, rounds: int) -> list[Quantiles]:
     """Quantiles of each call's time (ms) over ``rounds`` shuffled rounds of one turn each (on a GPU,
-    ``BURST`` - 1 counted calls per turn; on a CPU, one)."""
+    a sample is the mean of a turn's ``BURST`` - 1 counted calls; on a CPU, one call)."""
     if not calls or rounds < 1:
         raise ValueError(f"need calls and rounds >= 1; got {len(calls)} calls, {rounds} rounds")
     order = shuffled_rounds(len(calls), rounds)
@@ -92,25 +97,26 @@ def interleaved_times_ms(calls: Sequence[Callable[[], object]], device: str, rou
     if device == "cuda":
         flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")  # the L2, as CudaTimer
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(rounds * len(calls) * BURST)]
-        pending = []
+                  for _ in range(rounds * len(calls))]
+        turns = []
         for r in order:
             for i in r:
-                # a burst per provider, the queue drained before it, so that no call's host time hides
-                # behind another provider's GPU work; within the burst, calls back to back as CudaTimer
-                # times them, and the first (which starts on an idle queue) is not counted
+                # a turn: the L2 flushed and the queue drained; one call that is not counted (its host
+                # time runs on an idle GPU); then BURST - 1 calls back to back between two events, as a
+                # model's loop calls a module: a host-bound call's time is its host time, a GPU-bound
+                # one's its GPU time, and nothing overlaps the counted calls but their own work
+                flush.zero_()
                 torch.cuda.synchronize()
-                for b in range(BURST):
-                    s, e = events[len(pending)]
-                    flush.zero_()
-                    s.record()
+                calls[i]()
+                s, e = events[len(turns)]
+                s.record()
+                for _ in range(BURST - 1):
                     calls[i]()
-                    e.record()
-                    pending.append(i if b else -1)
+                e.record()
+                turns.append(i)
         torch.cuda.synchronize()
-        for i, (s, e) in zip(pending, events, strict=True):
-            if i >= 0:
-                samples[i].append(s.elapsed_time(e))
+        for i, (s, e) in zip(turns, events, strict=True):
+            samples[i].append(s.elapsed_time(e) / (BURST - 1))
     else:
         for r in order:
             for i in r:
@@ -133,8 +139,8 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
         raise ValueError(f"need 1 <= min_rounds <= max_rounds; got {min_rounds}, {max_rounds}")
     rows = []
     for base, mode, builders in groups:
-        how = (f"CUDA events after an L2 flush, {BURST}-call bursts on a drained queue, the first not counted"
-               if device == "cuda" else "perf_counter")
+        how = (f"turns of {BURST} calls on a flushed, drained queue, the first not counted, the other {BURST - 1} "
+               "back to back between CUDA events" if device == "cuda" else "perf_counter")
         unit = f"ms per call (p50; calls interleaved with the group's other providers in shuffled rounds, {how})"
         row = {**base, "mode": mode, "metric": "side_by_side_ms", "value": None, "unit": unit}
         names, calls, est = [], [], []

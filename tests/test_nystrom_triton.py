@@ -150,3 +150,32 @@ def test_launch_plan_integer_helpers_match_triton():
 
     assert all(_block(n) == max(16, triton.next_power_of_2(n)) for n in range(1, 4097))
     assert all(_cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 600) for b in (1, 7, 16, 64, 128))
+
+
+@pytest.mark.gpu
+def test_repeat_calls_launch_the_recorded_kernels_and_equal_launcher_calls():
+    """Calls of a kind seen before launch the compiled kernels ``_Launches`` recorded: bit-equal to
+    calls through ``Launcher``, over the layouts, alignments, dtypes and paths whose
+    specialisation differs (a view at an odd element offset, sequence-first strides, query rows,
+    the batched solve)."""
+    import adaattn.attention.nystrom_triton as nt
+    from adaattn.kernels.runtime import set_direct_launch
+
+    base = torch.randn(1, 4, 777 * 32 + 1, device="cuda", dtype=torch.bfloat16)
+    cases = []
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = _qkv(1, 4, 2, 777, 777, 32, dtype, strided=True)
+        cases += [(q, k, v, 16, None), (q, k, v, 200, None), (q, k, v, 16, torch.tensor([0, 5, 776], device="cuda"))]
+    odd = base[:, :, 1:].view(1, 4, 777, 32)  # 2-byte offset: not 16-byte aligned
+    cases.append((odd, odd[:, :2], odd[:, 2:], 16, None))
+    nt._BOUND.clear()
+    for q, k, v, r, rows in cases:
+        first = nystrom_attention(q, k, v, r, rows=rows)  # through Launcher, recorded
+        again = nystrom_attention(q, k, v, r, rows=rows)  # the recorded kernels
+        set_direct_launch(False)
+        try:
+            triton_launch = nystrom_attention(q, k, v, r, rows=rows)  # Triton's own launch
+        finally:
+            set_direct_launch(True)
+        assert torch.equal(first, again) and torch.equal(first, triton_launch)
+    assert len(nt._BOUND) == len(cases)  # every kind recorded once, the odd offset its own

@@ -14,26 +14,71 @@ Per call: the precision policy (``precision.py``) picks the compute dtype; ``ran
 the exact path or the Nyström low-rank path (``rank.py``; "auto" estimates the rank of the first
 call of each signature, and only unmasked attention of ``min_low_rank_len`` keys or more goes
 low-rank); the exact path goes through the kernel manager (``kernel_manager.py``), which runs
-the fastest backend measured on this machine for the inputs.
+the fastest backend measured on this machine for the inputs. A later call like an earlier one
+(same shapes, dtype, device, causal, mode; no mask, no weights) replays those decisions (``_Plan``)
+instead of taking every policy again.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.hardware import HardwareCapabilities
-from adaattn.attention.kernel_manager import AttentionKernelManager, Signature, attention_probs
+from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Run, Signature, attention_probs
 from adaattn.attention.precision import PRECISION_MODES, PrecisionPolicy
 from adaattn.attention.rank import choose_rank, nystrom_attention
 
 ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file for the shared manager's measured choices
 _shared: AttentionKernelManager | None = None
+
+
+MAX_PLANS = 256  # replay plans per module, one per kind of call; the oldest goes first
+MASKED = "masked or causal: the low-rank path has no mask"  # why a call of rank_mode auto or int went exact
+# what the policies read: setting one after construction drops the plans made under the old value
+POLICY_ATTRS = frozenset({"precision", "rank_mode", "rank_sample_rows", "min_low_rank_len", "max_rank_error",
+                          "kernel_manager", "enable_gpu_optimization", "dropout", "batch_first", "_rank_choice"})
+
+
+@dataclass(slots=True, eq=False)
+class _Plan:
+    """What the policies decided for one kind of call (the inputs' shapes, dtype and device, which of
+    them are the same tensor, causal, training, grad mode), replayed on the next calls of that kind.
+
+    Why: at a host-bound shape a call's time is its Python. Deciding again on every call (signature,
+    hardware, precision, rank, the manager's ranking) cost 23-26 us of host time per forward on the
+    H100 host, against a 3% goal (B=1, S=512 and 2048, E=512 bf16: 131.7 and 126.6 us with every
+    policy, 108.7 and 105.0 replayed, the direct call 108.7 and 100.1; the GPU held by a sleep
+    kernel). Called back to back there, ``_replay`` took 0.98-1.00x the direct call's time and
+    ``forward`` (the lookup too) 1.02-1.03x; on the development CPU a replay adds 0.7-1.4 us to a
+    28 us forward (B=1, S=8, E=64, one thread). Scratch timings during this change, not a study.
+
+    A plan stops applying when the precision policy is due to look again (``limit`` calls), the
+    manager's choice may have changed (``epoch``), the projections' dtype or grad mode differs from
+    the plan's, or its backend fails; the call then takes every policy again. Setting a policy
+    attribute (``POLICY_ATTRS``) drops the plans."""
+
+    sig: str  # the signature key the decisions are filed under
+    q_dtype: torch.dtype  # the projections' dtype they were made for
+    grad: bool  # a training signature (the projections need gradients)
+    dtype: torch.dtype  # compute dtype
+    rank: int | None  # landmarks of the low-rank path, None: exact
+    run: Run | None  # the manager's backend for the exact path; None: the low-rank path or SDPA
+    backend: str | None
+    manager: AttentionKernelManager | None
+    epoch: int  # the manager's epoch when the backend was chosen
+    causal: bool
+    scale: float
+    limit: int  # calls before the precision policy must look again
+    skipped: str | None  # why the low-rank path was not taken, counted per call (``MASKED``), or None
+    calls: int = 0
 
 
 def shared_kernel_manager() -> AttentionKernelManager:
@@ -97,6 +142,7 @@ class AdaAttention(nn.Module):
         self._ranks: Counter[str] = Counter()
         self._precisions: Counter[torch.dtype] = Counter()
         self._low_rank_skipped: Counter[str] = Counter()
+        self._plans: dict[tuple, _Plan] = {}  # kind of call -> what the policies decided for it
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:  # as nn.MultiheadAttention
@@ -174,7 +220,7 @@ class AdaAttention(nn.Module):
         if self.rank_mode == "full":
             return None
         if masked:
-            self._low_rank_skipped["masked or causal: the low-rank path has no mask"] += 1
+            self._low_rank_skipped[MASKED] += 1
             return None
         if isinstance(self.rank_mode, int):
             return self.rank_mode
@@ -194,6 +240,23 @@ class AdaAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                 key_padding_mask: Tensor | None = None, need_weights: bool = False,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        call = None
+        if attn_mask is None and key_padding_mask is None and not need_weights:
+            # a call like an earlier one replays what the policies decided for it (see _Plan); self-attention
+            # (one tensor: one GEMM projects it) and cross-attention keys differ in length
+            call = (query.shape, query.dtype, query.device, is_causal, self.training, torch.is_grad_enabled()) \
+                if query is key and key is value else (query.shape, key.shape, value.shape, query.dtype,
+                                                       query.device, is_causal, self.training,
+                                                       torch.is_grad_enabled())
+            plan = self._plans.get(call)
+            if plan is not None:
+                return self._replay(call, plan, query, key, value), None
+        return self._forward(call, query, key, value, attn_mask, key_padding_mask, need_weights, is_causal)
+
+    def _forward(self, call: tuple | None, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
+                 key_padding_mask: Tensor | None, need_weights: bool, is_causal: bool,
+                 qkv: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+        """Every policy at work; files a replay plan for ``call`` (None: this kind of call has none)."""
         if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
             raise ValueError(f"query, key and value must be 3-D; got {query.dim()}, {key.dim()}, {value.dim()} dims")
         if not self.batch_first:
@@ -204,31 +267,35 @@ class AdaAttention(nn.Module):
                 or key.shape[0] != B:
             raise ValueError(f"expected query (B, L, {self.embed_dim}), key (B, S, {self.kdim}), value (B, S, "
                              f"{self.vdim}); got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-        q, k, v = self._project(query, key, value)
+        q, k, v = self._project(query, key, value) if qkv is None else qkv
         mask, causal = self._mask(attn_mask, key_padding_mask, is_causal, B, L, S, q.device)
         scale = 1 / math.sqrt(self.head_dim)
-        hw = HardwareCapabilities.detect(q.device)
         mask_kind = "causal" if causal else "none" if mask is None else "mask"
         sig = Signature.of(q, k, mask_kind)
         key_ = sig.key()
-        dtype = self.precision.choose(q, k, v, scale, hw, key_) if self.enable_gpu_optimization or \
-            self.precision.mode != "auto" else q.dtype
+        policy = self.enable_gpu_optimization or self.precision.mode != "auto"
+        dtype = self.precision.choose(q, k, v, scale, HardwareCapabilities.detect(q.device), key_) if policy \
+            else q.dtype
         self._precisions[dtype] += 1
         qc, kc, vc = (q, k, v) if q.dtype == dtype else (t.to(dtype) for t in (q, k, v))
         rank = self._rank_for(key_, qc, kc, vc, mask_kind != "none")
+        backend = None
         if rank is not None:
             self._ranks[f"low-rank {rank}"] += 1
             out = nystrom_attention(qc, kc, vc, rank, scale=scale)
         else:
             self._ranks["full"] += 1
-            if self.dropout and self.training:  # the manager's backends take no dropout: SDPA with it
-                out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal, scale=scale,
-                                                     dropout_p=self.dropout, enable_gqa=self.num_kv_heads != self.num_heads)
-            elif self.enable_gpu_optimization:
-                out, _ = self.manager(qc, kc, vc, mask, causal, scale, sig=sig if qc is q else None)
+            if self._through_manager():
+                out, backend = self.manager(qc, kc, vc, mask, causal, scale, sig=sig if qc is q else None)
             else:
-                out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal, scale=scale,
-                                                     enable_gqa=self.num_kv_heads != self.num_heads)
+                out = self._sdpa(qc, kc, vc, mask, causal, scale)
+        if call is not None:
+            limit = self.precision.calls_until_check(key_) if policy else sys.maxsize
+            if limit:  # None: the policy looks at every call
+                skipped = MASKED if self.rank_mode != "full" and mask_kind != "none" else None
+                self._file(call, _Plan(key_, q.dtype, sig.grad, dtype, rank, backend and BACKENDS[backend].run, backend,
+                                       self.manager if backend else None, self.manager.epoch, causal, scale, limit,
+                                       skipped))
         out = out if out.dtype == query.dtype else out.to(query.dtype)
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, E))
         weights = self._weights(q, k, mask, causal, scale) if need_weights else None
@@ -236,15 +303,96 @@ class AdaAttention(nn.Module):
             out = out.transpose(0, 1)
         return out, weights
 
+    def _through_manager(self) -> bool:
+        return self.enable_gpu_optimization and not (self.dropout and self.training)  # its backends take no dropout
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              dropout_p=self.dropout if self.training else 0.0,
+                                              enable_gqa=self.num_kv_heads != self.num_heads)
+
+    def _replay(self, call: tuple, plan: _Plan, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """``_forward``'s work with its decisions taken from ``plan``: the projections, the chosen path, the
+        output projection, a count. Back to ``_forward`` when the plan no longer applies."""
+        if plan.calls >= plan.limit or (plan.manager is not None and plan.manager.epoch != plan.epoch):
+            self._retire(call)
+            return self._forward(call, query, key, value, None, None, False, plan.causal)[0]
+        if not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        B, L, E = query.shape
+        q, k, v = self._project(query, key, value)
+        if q.dtype != plan.q_dtype or (q.requires_grad or k.requires_grad) != plan.grad:  # autocast, frozen weights
+            self._retire(call)
+            return self._forward(call, *self._inputs(query, key, value), None, None, False, plan.causal, (q, k, v))[0]
+        qc, kc, vc = (q, k, v) if q.dtype == plan.dtype else (q.to(plan.dtype), k.to(plan.dtype), v.to(plan.dtype))
+        if plan.rank is not None:
+            out = nystrom_attention(qc, kc, vc, plan.rank, scale=plan.scale)
+        elif plan.run is not None:
+            try:
+                out = plan.run(qc, kc, vc, None, plan.causal, plan.scale)
+            except Exception:  # noqa: BLE001 - the manager falls back down its ranking and logs why
+                self._retire(call)
+                return self._forward(call, *self._inputs(query, key, value), None, None, False, plan.causal, (q, k, v))[0]
+            plan.manager.calls[plan.backend] += 1
+        else:
+            out = self._sdpa(qc, kc, vc, None, plan.causal, plan.scale)
+        plan.calls += 1
+        out = out if out.dtype == query.dtype else out.to(query.dtype)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, E))
+        return out if self.batch_first else out.transpose(0, 1)
+
+    def _inputs(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The caller's layout back from batch-first (``_forward`` takes the caller's)."""
+        return (query, key, value) if self.batch_first else (query.transpose(0, 1), key.transpose(0, 1),
+                                                            value.transpose(0, 1))
+
+    def _file(self, call: tuple, plan: _Plan) -> None:
+        if call in self._plans:
+            self._retire(call)
+        elif len(self._plans) >= MAX_PLANS:
+            self._retire(next(iter(self._plans)))  # the oldest
+        self._plans[call] = plan
+
+    def _retire(self, call: tuple) -> None:
+        """Drop a plan, its calls counted where ``_forward`` counts them."""
+        plan = self._plans.pop(call)
+        self._count(plan, self._precisions, self._ranks, self._low_rank_skipped)
+        if plan.calls and plan.limit != sys.maxsize:  # the precision policy counts calls to its next check
+            self.precision.record(plan.sig, plan.calls)
+
+    @staticmethod
+    def _count(plan: _Plan, precisions: Counter, ranks: Counter, skipped: Counter) -> None:
+        if plan.calls:
+            precisions[plan.dtype] += plan.calls
+            ranks["full" if plan.rank is None else f"low-rank {plan.rank}"] += plan.calls
+            if plan.skipped:
+                skipped[plan.skipped] += plan.calls
+
+    def _retire_all(self) -> None:
+        for call in list(self.__dict__.get("_plans", ())):
+            self._retire(call)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in POLICY_ATTRS:
+            self._retire_all()  # before the change: the counts go to the policy that made the plans
+        super().__setattr__(name, value)
+
+    def __getstate__(self):  # copies and pickles start without plans (they hold the manager and backends)
+        self._retire_all()
+        return super().__getstate__()
+
     def _weights(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
         """Attention probabilities averaged over heads (B, L, S), as nn.MultiheadAttention returns them."""
         return attention_probs(q.float(), k.float(), mask, causal, scale).mean(1).to(q.dtype)
 
     def get_statistics(self) -> dict:
         stats = self.manager.get_statistics()
-        stats.update(precisions={str(d).removeprefix("torch."): n for d, n in self._precisions.items()},
+        precisions, ranks, skipped = Counter(self._precisions), Counter(self._ranks), Counter(self._low_rank_skipped)
+        for plan in self._plans.values():
+            self._count(plan, precisions, ranks, skipped)
+        stats.update(precisions={str(d).removeprefix("torch."): n for d, n in precisions.items()},
                      escalations=list(self.precision.escalations),
-                     ranks=dict(self._ranks), low_rank_skipped=dict(self._low_rank_skipped))
+                     ranks=dict(ranks), low_rank_skipped=dict(skipped))
         return stats
 
 

@@ -354,7 +354,28 @@ class AttentionKernelManager:
         self.rankings: dict[str, list[str]] = self._load()
         self.calls: Counter[str] = Counter()
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # (backend, reason)
-        self.disabled: set[str] = set()  # backends made unavailable for this manager (tests, user choice)
+        self._disabled: frozenset[str] = frozenset()  # backends made unavailable (tests, user choice): disable()
+        # bumped when a choice already made may change (disable, enable): callers that cache the
+        # backend a call went to (AdaAttention's replay plans) compare it before reusing one
+        self.epoch = 0
+
+    @property
+    def disabled(self) -> frozenset[str]:
+        return self._disabled
+
+    def disable(self, *names: str) -> None:
+        """Make backends unavailable to this manager; calls go down the ranking past them."""
+        self._set_disabled(self._disabled | set(names))
+
+    def enable(self, *names: str) -> None:
+        self._set_disabled(self._disabled - set(names))
+
+    def _set_disabled(self, names: frozenset[str]) -> None:
+        unknown = sorted(n for n in names if n not in BACKENDS)
+        if unknown:
+            raise ValueError(f"unknown attention backend(s) {unknown}; allowed: {', '.join(BACKENDS)}")
+        self._disabled = frozenset(names)
+        self.epoch += 1
 
     # ------------------------------------------------------------------ persistence
 
@@ -394,7 +415,7 @@ class AttentionKernelManager:
         """(backend, reason it cannot run or None) for every configured backend."""
         out = []
         for name in self.backends:
-            why = "disabled" if name in self.disabled else BACKENDS[name].why_not(sig)
+            why = "disabled" if name in self._disabled else BACKENDS[name].why_not(sig)
             out.append((name, why))
         return out
 
@@ -406,7 +427,7 @@ class AttentionKernelManager:
             ranked = self._measure(sig, q, k, v, attn_mask, is_causal, scale)
             self.rankings[key] = ranked
             self._save()
-        return [b for b in ranked if b not in self.disabled] if self.disabled else ranked
+        return [b for b in ranked if b not in self._disabled] if self._disabled else ranked
 
     def _measure(self, sig, q, k, v, attn_mask, is_causal, scale) -> list[str]:
         times: dict[str, Timing] = {}

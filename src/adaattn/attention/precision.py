@@ -17,6 +17,7 @@ where it plugs in; nothing here claims anything for it.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,8 @@ class PrecisionPolicy:
     sample_rows: int = 64
     recheck_every: int = 1000
     escalations: list[dict] = field(default_factory=list)  # {"from", "to", "reason", "signature"}
-    _checked: dict[str, tuple[torch.dtype, int]] = field(default_factory=dict)  # signature -> (dtype, calls)
+    # signature -> (dtype, calls left before the next sampled check; <= 0: the next call checks)
+    _checked: dict[str, tuple[torch.dtype, int]] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.mode not in PRECISION_MODES:
@@ -65,22 +67,40 @@ class PrecisionPolicy:
     def choose(self, q: Tensor, k: Tensor, v: Tensor, scale: float, hw: HardwareCapabilities, sig: str) -> torch.dtype:
         """The compute dtype for this call (q, k, v in any float dtype, (B, H, L, D) layout)."""
         seen = self._checked.get(sig)
-        dtype, calls = seen if seen is not None else (self.base_dtype(hw), 0)
+        dtype, due = seen if seen is not None else (self.base_dtype(hw), 0)
         if self.mode != "auto" or dtype == torch.float32:
-            self._checked[sig] = (dtype, calls + 1)
+            self._checked[sig] = (dtype, due)
             return dtype
         if dtype == torch.float16:
             bound = scale * q.detach().abs().amax().item() * k.detach().abs().amax().item() * q.shape[-1]
             if not math.isfinite(bound) or bound > FP16_MAX:
                 dtype = self._escalate(dtype, f"logit bound {bound:.3g} exceeds the fp16 range ({FP16_MAX:.0f})",
                                        sig)
-        if calls % self.recheck_every == 0 and dtype != torch.float32:
+        if due <= 0 and dtype != torch.float32:
             cos, rel = self.sample_error(q, k, v, scale, dtype)
             if cos < self.min_cosine or rel > self.max_rel_l1:
                 dtype = self._escalate(dtype, f"sampled rows: cosine {cos:.5f} (min {self.min_cosine}), "
                                               f"relative L1 {rel:.4f} (max {self.max_rel_l1})", sig)
-        self._checked[sig] = (dtype, calls + 1)
+            due = self.recheck_every
+        self._checked[sig] = (dtype, due - 1)
         return dtype
+
+    def calls_until_check(self, sig: str) -> int | None:
+        """How many more calls of ``sig`` may skip ``choose`` (its dtype stays what ``choose`` last
+        returned), or None when every call needs it (auto fp16: the overflow guard looks at each
+        call's inputs). Calls that skip it are reported with ``record``."""
+        dtype, due = self._checked[sig]
+        if self.mode != "auto" or dtype == torch.float32:
+            return sys.maxsize
+        if dtype == torch.float16:
+            return None
+        return max(due, 0)
+
+    def record(self, sig: str, calls: int) -> None:
+        """Count ``calls`` of ``sig`` that skipped ``choose``: the next sampled check comes that much
+        sooner (at once when they used up the interval)."""
+        dtype, due = self._checked[sig]
+        self._checked[sig] = (dtype, due - calls)
 
     def sample_error(self, q: Tensor, k: Tensor, v: Tensor, scale: float, dtype: torch.dtype) -> tuple[float, float]:
         """(cosine similarity, relative L1) of attention for up to ``sample_rows`` query rows in ``dtype``

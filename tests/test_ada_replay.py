@@ -1,0 +1,229 @@
+"""AdaAttention's replay plans: a call like an earlier one reuses the policies' decisions. The replayed
+call must equal a call that takes every policy (outputs and gradients), count in the statistics,
+and stop replaying when a decision may change (precision recheck due, backend disabled or failing,
+autocast, frozen weights)."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import adaattn.attention.ada as ada_mod
+from adaattn.attention.ada import AdaAttention
+from adaattn.attention.hardware import HardwareCapabilities
+from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Backend, Signature
+from adaattn.attention.precision import PrecisionPolicy
+
+E, H = 48, 4
+
+
+def _module(**kw) -> AdaAttention:
+    torch.manual_seed(0)
+    ada = AdaAttention(E, H, kernel_manager=AttentionKernelManager(backends=["sdpa", "math", "chunked"]), **kw)
+    with torch.no_grad():
+        ada.in_proj_bias.normal_()
+    return ada
+
+
+def _calls(ada: AdaAttention, x: torch.Tensor, n: int, **kw) -> None:
+    """``n`` self-attention calls without autograd."""
+    with torch.no_grad():
+        for _ in range(n):
+            ada(x, x, x, **kw)
+
+
+def _fresh_call(ada: AdaAttention, *args, **kw):
+    """The same call taking every policy: no plan filed yet."""
+    ada._plans.clear()
+    return ada(*args, **kw)
+
+
+# self-attention (one GEMM), cross-attention, sequence-first layout, GQA, causal, low rank: every
+# branch a plan replays
+@pytest.mark.parametrize("kw,cross,causal", [
+    ({}, False, False),
+    ({}, True, True),
+    ({"batch_first": False}, False, True),
+    ({"num_kv_heads": 2}, True, False),
+    ({"rank_mode": 8}, False, False),
+    ({"enable_gpu_optimization": False}, False, True),
+])
+def test_replay_equals_a_call_through_every_policy(kw, cross, causal):
+    ada = _module(**kw)
+    x = torch.randn(3, 37, E) if kw.get("batch_first", True) else torch.randn(37, 3, E)
+    kv = torch.randn_like(x) if cross else x
+    leaves = [[t.clone().requires_grad_() for t in (x, kv)] for _ in range(2)]
+    ada(x, kv, kv, is_causal=causal)  # files the plans (one for grad mode on)
+    with torch.no_grad():
+        ada(x, kv, kv, is_causal=causal)
+    assert len(ada._plans) == 2
+    grads = []
+    for i, (q_in, kv_in) in enumerate(leaves):
+        ada.zero_grad()
+        kv_in = kv_in if cross else q_in
+        out = ada(q_in, kv_in, kv_in, is_causal=causal)[0] if i == 0 else _fresh_call(ada, q_in, kv_in, kv_in,
+                                                                                       is_causal=causal)[0]
+        out.square().sum().backward()
+        grads.append((out.detach(), q_in.grad, [p.grad.clone() for p in ada.parameters()]))
+    (o1, g1, p1), (o2, g2, p2) = grads
+    torch.testing.assert_close(o1, o2, atol=0, rtol=0)
+    torch.testing.assert_close(g1, g2, atol=0, rtol=0)
+    for a, b in zip(p1, p2, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_replayed_calls_are_counted():
+    ada = _module(rank_mode="full")
+    x = torch.randn(2, 16, E)
+    _calls(ada, x, 5)
+    _calls(ada, x, 3, is_causal=True)
+    stats = ada.get_statistics()
+    assert stats["total_calls"] == 8 and sum(stats["calls"].values()) == 8
+    assert stats["ranks"] == {"full": 8} and stats["precisions"] == {"float32": 8}
+    assert ada.get_statistics() == stats  # reading them changes nothing
+
+
+def test_plans_are_bounded_and_their_calls_kept(monkeypatch):
+    monkeypatch.setattr(ada_mod, "MAX_PLANS", 2)
+    ada = _module(rank_mode="full")
+    with torch.no_grad():
+        for S in (8, 9, 10, 8, 11):
+            x = torch.randn(1, S, E)
+            ada(x, x, x)
+            ada(x, x, x)
+    assert len(ada._plans) == 2
+    assert ada.get_statistics()["ranks"] == {"full": 10}
+
+
+def test_a_disabled_backend_is_not_replayed():
+    ada = _module(rank_mode="full")
+    x = torch.randn(2, 16, E)
+    with torch.no_grad():
+        ada(x, x, x)
+        first = next(iter(ada.manager.calls))
+        ada.manager.disable(first)
+        ada(x, x, x)
+    calls = ada.get_statistics()["calls"]
+    assert calls[first] == 1 and sum(calls.values()) == 2
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        ada.manager.disable("no_such_backend")
+
+
+def test_a_backend_failing_on_replay_falls_back_and_says_why(monkeypatch, caplog):
+    state = {"calls": 0}
+    math_run = BACKENDS["math"].run
+
+    def flaky(*args):
+        state["calls"] += 1
+        if state["calls"] > 2:
+            raise RuntimeError("flaky kernel")
+        return math_run(*args)
+
+    monkeypatch.setitem(BACKENDS, "flaky", Backend("flaky", flaky, lambda sig: None))
+    km = AttentionKernelManager(backends=["flaky", "chunked"])
+    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=km)
+    x = torch.randn(2, 16, E)
+    q, k, _ = ada._project(x, x, x)
+    km.rankings[Signature.of(q.detach(), k.detach(), "none").key()] = ["flaky", "chunked"]
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        outs = [ada(x, x, x)[0] for _ in range(4)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=1e-5, rtol=1e-5)
+    stats = ada.get_statistics()
+    assert stats["calls"] == {"flaky": 2, "chunked": 2}
+    assert stats["fallbacks"] == [{"backend": "flaky", "reason": "RuntimeError: flaky kernel", "count": 1}]
+    assert sum("flaky kernel" in r.message for r in caplog.records) == 1
+
+
+def test_precision_rechecks_are_kept_on_replay(monkeypatch):
+    """auto precision on bf16 hardware samples its error every ``recheck_every`` calls: a plan ends there."""
+    hw = HardwareCapabilities(device="cpu", name="fake bf16", compute_capability=(9, 0), bf16=True, fp16=True,
+                              fp8=True, tf32=True, memory_bytes=0)
+    monkeypatch.setattr(HardwareCapabilities, "detect", staticmethod(lambda device=None: hw))
+    ada = _module(rank_mode="full", precision_mode="auto")
+    ada.precision = PrecisionPolicy("auto", recheck_every=4)
+    checks = []
+    real = ada.precision.sample_error
+    monkeypatch.setattr(ada.precision, "sample_error", lambda *a: checks.append(1) or real(*a))
+    x = torch.randn(2, 16, E)
+    with torch.no_grad():
+        for _ in range(10):
+            assert ada(x, x, x)[0].dtype == torch.float32
+    assert len(checks) == 3  # calls 0, 4, 8
+    assert ada.get_statistics()["precisions"] == {"bfloat16": 10}
+
+
+def test_fp16_auto_guards_every_call():
+    policy = PrecisionPolicy("auto")
+    q = torch.randn(1, 2, 8, 16)
+    hw = HardwareCapabilities(device="cuda:0", name="fake", compute_capability=(7, 0), bf16=False, fp16=True,
+                              fp8=False, tf32=False, memory_bytes=0)
+    assert policy.choose(q, q, q, 0.25, hw, "s") == torch.float16
+    assert policy.calls_until_check("s") is None
+    fixed = PrecisionPolicy("fp32")  # fixed modes never look again
+    fixed.choose(q, q, q, 0.25, HardwareCapabilities.detect("cpu"), "s")
+    assert fixed.calls_until_check("s") > 10**9
+    bf16 = PrecisionPolicy("auto", recheck_every=5)
+    bf16_hw = HardwareCapabilities(device="cpu", name="fake bf16", compute_capability=(9, 0), bf16=True, fp16=True,
+                                   fp8=True, tf32=True, memory_bytes=0)
+    assert bf16.choose(q, q, q, 0.25, bf16_hw, "s") == torch.bfloat16  # checked on the first call
+    assert bf16.calls_until_check("s") == 4  # the next sampled check is call 5
+    bf16.record("s", 3)
+    assert bf16.calls_until_check("s") == 1
+    bf16.record("s", 7)  # two plans of one signature used up more than the interval: check at once
+    assert bf16.calls_until_check("s") == 0
+
+
+def test_autocast_and_frozen_weights_take_the_policies_again():
+    ada = _module(rank_mode="full")
+    x = torch.randn(2, 16, E)
+    ada(x, x, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ada(x, x, x)[0]
+        assert [p.q_dtype for p in ada._plans.values()] == [torch.bfloat16]  # the fp32 plan retired
+        ref = _fresh_call(ada, x, x, x)[0]
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for p in ada.parameters():
+        p.requires_grad_(False)
+    ada(x, x, x)
+    grads = {key.split("|")[10] for key in ada.manager.rankings}
+    assert grads == {"0", "1"}  # the frozen call is an inference signature, ranked as one
+
+
+def test_copies_and_pickles_start_without_plans():
+    ada = _module(rank_mode="full")
+    x = torch.randn(2, 16, E)
+    _calls(ada, x, 3)
+    twin = copy.deepcopy(ada)
+    assert not twin._plans and twin.get_statistics()["ranks"] == {"full": 3}
+    back = pickle.loads(pickle.dumps(ada.cpu()))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x, x, x)[0], ada(x, x, x)[0], atol=0, rtol=0)
+
+
+def test_a_module_and_its_parameters_are_still_nn_multihead_attentions():
+    """Plans live outside the state dict: it loads into nn.MultiheadAttention after replays."""
+    ada = _module(rank_mode="full")
+    x = torch.randn(2, 16, E)
+    with torch.no_grad():
+        ada(x, x, x)
+        ada(x, x, x)
+        mha = nn.MultiheadAttention(E, H, batch_first=True)
+        mha.load_state_dict(ada.state_dict())
+        torch.testing.assert_close(mha(x, x, x, need_weights=False)[0], ada(x, x, x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_changing_a_policy_setting_drops_the_plans():
+    ada = _module(rank_mode="full")
+    x = torch.randn(2, 64, E)
+    _calls(ada, x, 3)
+    ada.rank_mode = 8
+    _calls(ada, x, 1)
+    _calls(ada, x, 2, is_causal=True)  # causal: exact, and counted as skipped on every call
+    stats = ada.get_statistics()
+    assert stats["ranks"] == {"full": 5, "low-rank 8": 1}
+    assert stats["low_rank_skipped"] == {ada_mod.MASKED: 2}
+    ada.eval()  # not a policy setting: the plans stay
+    assert len(ada._plans) == 2
