@@ -145,7 +145,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           f"solve's cost on this GPU: the pseudo-inverse's {PINV_ITERS * PINV_MATMULS_PER_ITER} batched products "
           f"({PINV_ITERS} Newton-Schulz iterations of {PINV_MATMULS_PER_ITER}) as cuBLAS runs them in fp32 and in "
           "bf16, and a direct LU solve (`torch.linalg.solve`, fp32), shown where the path solves by batched "
-          "products (the fused path, up to 128 landmarks, solves inside one kernel instead); a solve above the "
+          "products (replayed from a CUDA graph on a GPU; the fused path, up to 128 landmarks, solves inside one "
+          "kernel instead); a solve above the "
           "budget rules the goal out at that size for a solve made of those launches.\n\n"
           + (md_table(shown) if len(shown) else "no point of this sweep has S >= "
                                  f"{GOAL_MIN_LEN} (the CPU profile)") + "\n")
@@ -187,7 +188,7 @@ def _path(kernels: str, landmarks: int, head_dim: int) -> str:
     """Which Nyström implementation a timed call ran, from its recorded kernel names."""
     if not FUSED.search(kernels):
         return "PyTorch"
-    return "fused Triton" if fused_solve(landmarks, head_dim) else "Triton, batched solve"
+    return "fused Triton" if fused_solve(landmarks, head_dim) else "Triton, batched solve (CUDA graph)"
 
 
 def _tolerance(df: pd.DataFrame) -> float:

@@ -179,3 +179,70 @@ def test_repeat_calls_launch_the_recorded_kernels_and_equal_launcher_calls():
             set_direct_launch(True)
         assert torch.equal(first, again) and torch.equal(first, triton_launch)
     assert len(nt._BOUND) == len(cases)  # every kind recorded once, the odd offset its own
+
+
+def test_batched_solve_is_not_graphed_off_cuda():
+    """In the interpreter and on a CPU the batched solve runs launch by launch on a fresh workspace."""
+    import adaattn.attention.nystrom_triton as nt
+
+    assert nt._SolveGraph.get((1, 2, 2, 200, 24, 0.2, 6), 1000, torch.device("cpu"), lambda ws: None) is None
+    q, k, v = _qkv(1, 2, 2, 64, 300, 24, torch.float32)
+    nystrom_attention(q, k, v, MAX_FUSED_SOLVE_RANK + 8)
+    if DEVICE == "cpu":
+        assert not nt._SOLVE_GRAPHS
+
+
+@pytest.mark.gpu
+def test_graphed_batched_solve_equals_launch_by_launch(monkeypatch):
+    """The batched solve replayed from its CUDA graph gives the bits of the same solve launched op by
+    op, call after call with new inputs in the persistent workspace, GQA and query rows too; another
+    stream gets its own graph; the cache keeps ``MAX_SOLVE_GRAPHS`` (least recently used out); a
+    caller capturing its own graph gets the launches in it, not a graph of ours."""
+    import adaattn.attention.nystrom_triton as nt
+
+    nt._SOLVE_GRAPHS.clear()
+    r = MAX_FUSED_SOLVE_RANK + 72
+    calls = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        q, k, v = _qkv(1, 8, 2, 1000, 1000, 64, torch.bfloat16)
+        q, k, v = q * (1 + seed), k * (1 - 0.2 * seed), v + seed
+        calls.append((q, k, v, None))
+    calls.append((q, k, v, torch.tensor([3, 500, 999], device="cuda")))  # rows change only the output pass
+    calls.append((*_qkv(1, 8, 2, 300, 300, 64, torch.bfloat16), None))  # the same heads and rank, more key splits
+    graphed = [nystrom_attention(q, k, v, r, rows=rows) for q, k, v, rows in calls]
+    assert len(nt._SOLVE_GRAPHS) == 2
+    assert len({nt._plan(1, 8, 2, S, 64, r, torch.device("cuda", 0)).splits for S in (1000, 300)}) == 2
+    monkeypatch.setattr(nt, "GRAPH_SOLVE", False)
+    eager = [nystrom_attention(q, k, v, r, rows=rows) for q, k, v, rows in calls]
+    monkeypatch.setattr(nt, "GRAPH_SOLVE", True)
+    assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = nystrom_attention(*calls[0][:3], r)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_side, eager[0]) and len(nt._SOLVE_GRAPHS) == 3
+
+    nt._SOLVE_GRAPHS.clear()
+    nystrom_attention(*calls[0][:3], r)
+    with torch.cuda.stream(side):
+        nystrom_attention(*calls[0][:3], r)
+    torch.cuda.synchronize()
+    monkeypatch.setattr(nt, "MAX_SOLVE_GRAPHS", 2)
+    q, k, v = calls[0][:3]
+    nystrom_attention(q, k, v, r + 8)  # a third kind: the least recently used goes
+    main = torch.cuda.current_stream().cuda_stream
+    assert sorted((key[3], key[-3] == main) for key in nt._SOLVE_GRAPHS) == [(r, False), (r + 8, True)]
+
+    nt._SOLVE_GRAPHS.clear()
+    outer = torch.cuda.CUDAGraph()
+    nystrom_attention(q, k, v, r)  # warm-up: compiles, records the launches
+    nt._SOLVE_GRAPHS.clear()
+    with torch.cuda.graph(outer):
+        captured = nystrom_attention(q, k, v, r)
+    assert not nt._SOLVE_GRAPHS
+    outer.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager[0])

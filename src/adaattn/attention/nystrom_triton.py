@@ -15,7 +15,12 @@ depends on S. Here the same maths runs in four kernels, all fp32 intermediates i
    W = pinv(kernel) (b v), an (r, D) fp32 matrix. Past ``MAX_FUSED_SOLVE_RANK`` landmarks (or
    its tile limit at head dim 128) the iterates no longer fit one program, and one head's solve
    on one SM would be most of the call's time: ``_solve_batched`` runs the same maths as
-   batched fp32 matmuls over all heads (some 35 launches instead of one).
+   batched fp32 matmuls over all heads. Those are some 35 launches: on the H100 host of the rank
+   study their issue took 1.8 ms per call and the GPU 0.97 ms with the gaps between them (scratch
+   timing, 256 landmarks, 8 heads), so on a GPU they are captured once per kind of call as a CUDA
+   graph and replayed: 0.05 ms of host time and 0.42 ms on the GPU there, the same bits
+   (``_SolveGraph``). Below that rank the one-program solve was faster than the graphed one at
+   every shape tried (S 4096-16384, 8-32 heads, 16-128 landmarks).
 4. ``_nystrom_out``: out = softmax(q K~^T) W, a flash forward with r keys (in blocks of at most
    128, an online softmax across them).
 
@@ -33,6 +38,8 @@ Launch parameters are fixed (below), not tuned per shape.
 from __future__ import annotations
 
 import functools
+import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +55,8 @@ from adaattn.kernels.runtime import (
     programs_for,
     specialization,
 )
+
+log = logging.getLogger(__name__)
 
 MAX_RANK = 1024  # landmarks of the Triton path
 MAX_FUSED_SOLVE_RANK = 128  # the r x r solve in one program per head up to here
@@ -442,7 +451,13 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
     qs, ks, vs, qrs = q.stride(), k.stride(), v.stride(), qr.stride()
     launch = _Launches((B, Hq, Hkv, L, S, D, rank, Lr, pinv_iters, q.device, q.dtype, k.dtype, v.dtype, qs, ks, vs,
                         qrs, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, qr.data_ptr() % 16))
-    ws = torch.empty(p.numel, device=q.device, dtype=torch.float32)
+    solve = None if p.fused else functools.partial(_solve_batched, B=B, Hq=Hq, Hkv=Hkv, rank=rank, D=D, splits=p.splits,
+                                                   off_kl=p.off_kl, off_m=p.off_m, off_acc=p.off_acc, off_w=p.off_w,
+                                                   scale=scale, pinv_iters=pinv_iters)
+    # the solve's kind: every argument it takes (the plan holds the workspace layout: the key splits vary with S)
+    graph = None if solve is None else _SolveGraph.get((B, Hq, Hkv, rank, D, p, scale, pinv_iters), p.numel, q.device,
+                                                       solve)
+    ws = torch.empty(p.numel, device=q.device, dtype=torch.float32) if graph is None else graph.ws
 
     launch(_launch_landmarks, (rank, B * (Hq + Hkv)),
         q, k, ws, p.off_kl, L, S, rank, Hq, Hkv, B * Hq,
@@ -458,8 +473,10 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
             ws, p.off_kl, p.off_m, p.off_l, p.off_acc, p.off_w, rank, p.splits, Hq, group, qk_scale, pinv_iters,
             HEAD_DIM=D, BLOCK_R=p.block_r, BLOCK_D=p.block_d, MERGE_STAGES=MERGE_STAGES,
             num_warps=SOLVE_WARPS[p.block_r])
+    elif graph is not None:
+        graph.graph.replay()
     else:
-        _solve_batched(ws, B, Hq, Hkv, rank, D, p.splits, p.off_kl, p.off_m, p.off_acc, p.off_w, scale, pinv_iters)
+        solve(ws)
 
     out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
     launch(_launch_nystrom_out, (_cdiv(Lr, p.out_block_m), B * Hq),
@@ -471,7 +488,7 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
     return out
 
 
-def _solve_batched(ws: Tensor, B: int, Hq: int, Hkv: int, rank: int, D: int, splits: int, off_kl: int, off_m: int,
+def _solve_batched(ws: Tensor, *, B: int, Hq: int, Hkv: int, rank: int, D: int, splits: int, off_kl: int, off_m: int,
                    off_acc: int, off_w: int, scale: float, pinv_iters: int) -> None:
     """W = pinv(softmax(Q~ K~^T)) (b v) into WS[off_w:], for ranks past the fused solve: the same
     maths as ``_landmark_solve`` (merge the key splits, the landmark kernel, Newton-Schulz) as
@@ -490,3 +507,66 @@ def _solve_batched(ws: Tensor, B: int, Hq: int, Hkv: int, rank: int, D: int, spl
     a = torch.softmax(ql @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, Hkv, g r, r)
     a, bv = a.view(B * Hq, rank, rank), bv.view(B * Hq, rank, D)
     torch.bmm(_pinv(a, pinv_iters), bv, out=ws[off_w:off_w + B * Hq * rank * D].view(B * Hq, rank, D))
+
+
+class _SolveGraph:
+    """The batched solve of one kind of call (shapes, workspace layout, scale, iterations; the device,
+    the current stream, the fp32 matmul settings), captured once as a CUDA graph over a workspace that then
+    persists: each call's kernels fill it, the graph replays the solve in it. Calls on one stream
+    run in order, so they can share it; another stream gets its own. Up to ``MAX_SOLVE_GRAPHS``
+    are kept, the least recently used dropped first (each holds its workspace and the solve's
+    intermediates: a few r x r fp32 matrices per head). None, and the solve runs launch by launch on a
+    fresh workspace, off CUDA, in the interpreter, while the caller's stream is being captured
+    (the launches then join the caller's graph) or where capture failed (logged once)."""
+
+    __slots__ = ("ws", "graph")
+
+    def __init__(self, ws: Tensor, graph: torch.cuda.CUDAGraph):
+        self.ws, self.graph = ws, graph
+
+    @staticmethod
+    def get(kind: tuple, numel: int, device: torch.device, solve) -> _SolveGraph | None:
+        if device.type != "cuda" or interpreter() or not GRAPH_SOLVE or torch.cuda.is_current_stream_capturing():
+            return None
+        key = (*kind, device, torch.cuda.current_stream(device).cuda_stream, torch.get_float32_matmul_precision(),
+               getattr(torch.backends.cuda.matmul, "fp32_precision", None))
+        entry = _SOLVE_GRAPHS.get(key)
+        if entry is not None:
+            _SOLVE_GRAPHS.move_to_end(key)
+            return entry
+        if key in _SOLVE_UNGRAPHED:
+            return None
+        try:
+            entry = _SolveGraph._capture(numel, device, solve)
+        except RuntimeError as err:  # the launches still run, one by one
+            _SOLVE_UNGRAPHED.add(key)
+            log.warning("Nyström batched solve not captured as a CUDA graph (%s: %s); it runs launch by launch",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            return None
+        if len(_SOLVE_GRAPHS) >= MAX_SOLVE_GRAPHS:
+            _SOLVE_GRAPHS.popitem(last=False)
+        _SOLVE_GRAPHS[key] = entry
+        return entry
+
+    @staticmethod
+    def _capture(numel: int, device: torch.device, solve) -> _SolveGraph:
+        with torch.cuda.device(device):
+            ws = torch.zeros(numel, device=device, dtype=torch.float32)  # finite: the warm-up and capture read it
+            here, side = torch.cuda.current_stream(), torch.cuda.Stream()
+            side.wait_stream(here)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                solve(ws)  # warm-up outside the capture (cuBLAS handles, workspaces)
+                graph.capture_begin(capture_error_mode="thread_local")  # other threads' CUDA calls go on
+                try:
+                    solve(ws)
+                finally:
+                    graph.capture_end()
+            here.wait_stream(side)
+        return _SolveGraph(ws, graph)
+
+
+GRAPH_SOLVE = True  # capture the batched solve as a CUDA graph (False: every call launches it op by op)
+MAX_SOLVE_GRAPHS = 8
+_SOLVE_GRAPHS: OrderedDict[tuple, _SolveGraph] = OrderedDict()
+_SOLVE_UNGRAPHED: set[tuple] = set()  # kinds whose capture failed
