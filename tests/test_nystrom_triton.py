@@ -246,3 +246,31 @@ def test_graphed_batched_solve_equals_launch_by_launch(monkeypatch):
     outer.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager[0])
+
+
+@pytest.mark.gpu
+def test_graphed_batched_solve_from_threads_on_one_stream():
+    """Threads on one stream share a graphed solve's workspace: each call issues its launches as one
+    (``_SOLVE_LOCK``), so every thread's result equals its call made alone."""
+    import threading
+
+    r = MAX_FUSED_SOLVE_RANK + 72
+    inputs = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        q, k, v = _qkv(1, 8, 2, 1000, 1000, 64, torch.bfloat16)
+        inputs.append((q * (1 + seed), k, v + seed))
+    alone = [nystrom_attention(q, k, v, r) for q, k, v in inputs]
+    results: dict[int, list] = {i: [] for i in range(len(inputs))}
+
+    def work(i):
+        for _ in range(20):
+            results[i].append(nystrom_attention(*inputs[i], r))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, alone[i]) for i, outs in results.items() for out in outs)

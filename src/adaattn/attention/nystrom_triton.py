@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -454,36 +455,43 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
     solve = None if p.fused else functools.partial(_solve_batched, B=B, Hq=Hq, Hkv=Hkv, rank=rank, D=D, splits=p.splits,
                                                    off_kl=p.off_kl, off_m=p.off_m, off_acc=p.off_acc, off_w=p.off_w,
                                                    scale=scale, pinv_iters=pinv_iters)
-    # the solve's kind: every argument it takes (the plan holds the workspace layout: the key splits vary with S)
-    graph = None if solve is None else _SolveGraph.get((B, Hq, Hkv, rank, D, p, scale, pinv_iters), p.numel, q.device,
-                                                       solve)
-    ws = torch.empty(p.numel, device=q.device, dtype=torch.float32) if graph is None else graph.ws
+    # the batched solve's workspace may persist (``_SolveGraph``): one call's launches at a time, in order
+    if solve is not None:
+        _SOLVE_LOCK.acquire()
+    try:
+        # the solve's kind: every argument it takes (the plan holds the workspace layout: the key splits vary with S)
+        graph = None if solve is None else _SolveGraph.get((B, Hq, Hkv, rank, D, p, scale, pinv_iters), p.numel,
+                                                           q.device, solve)
+        ws = torch.empty(p.numel, device=q.device, dtype=torch.float32) if graph is None else graph.ws
 
-    launch(_launch_landmarks, (rank, B * (Hq + Hkv)),
-        q, k, ws, p.off_kl, L, S, rank, Hq, Hkv, B * Hq,
-        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2],
-        HEAD_DIM=D, BLOCK_T=max(16, LANDMARK_TILE // p.block_d), BLOCK_D=p.block_d, num_warps=LANDMARK_WARPS)
-    launch(_launch_bv_partial, (p.m_blocks, B * Hkv, p.splits),
-        ws, k, v, p.off_m, p.off_l, p.off_acc, p.n_rows, S, p.chunk, Hkv, qk_scale,
-        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-        HEAD_DIM=D, BLOCK_M=p.bv_block_m, BLOCK_N=BV_BLOCK_N, BLOCK_D=p.block_d,
-        KV_TF32=k.dtype in (torch.bfloat16, torch.float16) and v.dtype == k.dtype, num_warps=4)
-    if p.fused:
-        launch(_launch_landmark_solve, (B * Hq,),
-            ws, p.off_kl, p.off_m, p.off_l, p.off_acc, p.off_w, rank, p.splits, Hq, group, qk_scale, pinv_iters,
-            HEAD_DIM=D, BLOCK_R=p.block_r, BLOCK_D=p.block_d, MERGE_STAGES=MERGE_STAGES,
-            num_warps=SOLVE_WARPS[p.block_r])
-    elif graph is not None:
-        graph.graph.replay()
-    else:
-        solve(ws)
+        launch(_launch_landmarks, (rank, B * (Hq + Hkv)),
+            q, k, ws, p.off_kl, L, S, rank, Hq, Hkv, B * Hq,
+            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2],
+            HEAD_DIM=D, BLOCK_T=max(16, LANDMARK_TILE // p.block_d), BLOCK_D=p.block_d, num_warps=LANDMARK_WARPS)
+        launch(_launch_bv_partial, (p.m_blocks, B * Hkv, p.splits),
+            ws, k, v, p.off_m, p.off_l, p.off_acc, p.n_rows, S, p.chunk, Hkv, qk_scale,
+            ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            HEAD_DIM=D, BLOCK_M=p.bv_block_m, BLOCK_N=BV_BLOCK_N, BLOCK_D=p.block_d,
+            KV_TF32=k.dtype in (torch.bfloat16, torch.float16) and v.dtype == k.dtype, num_warps=4)
+        if p.fused:
+            launch(_launch_landmark_solve, (B * Hq,),
+                ws, p.off_kl, p.off_m, p.off_l, p.off_acc, p.off_w, rank, p.splits, Hq, group, qk_scale, pinv_iters,
+                HEAD_DIM=D, BLOCK_R=p.block_r, BLOCK_D=p.block_d, MERGE_STAGES=MERGE_STAGES,
+                num_warps=SOLVE_WARPS[p.block_r])
+        elif graph is not None:
+            graph.graph.replay()
+        else:
+            solve(ws)
 
-    out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
-    launch(_launch_nystrom_out, (_cdiv(Lr, p.out_block_m), B * Hq),
-        qr, ws, out, p.off_kl, p.off_w, Lr, rank, Hq, group, qk_scale,
-        qrs[0], qrs[1], qrs[2], Hq * Lr * D, Lr * D, D,  # out: (B, Hq, Lr, D), contiguous
-        HEAD_DIM=D, BLOCK_M=p.out_block_m, BLOCK_R=p.out_block_r, BLOCK_D=p.block_d,
-        FP32=q.dtype == torch.float32 or interpreter(), ONE_BLOCK=p.out_one_block, num_warps=OUT_WARPS)
+        out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
+        launch(_launch_nystrom_out, (_cdiv(Lr, p.out_block_m), B * Hq),
+            qr, ws, out, p.off_kl, p.off_w, Lr, rank, Hq, group, qk_scale,
+            qrs[0], qrs[1], qrs[2], Hq * Lr * D, Lr * D, D,  # out: (B, Hq, Lr, D), contiguous
+            HEAD_DIM=D, BLOCK_M=p.out_block_m, BLOCK_R=p.out_block_r, BLOCK_D=p.block_d,
+            FP32=q.dtype == torch.float32 or interpreter(), ONE_BLOCK=p.out_one_block, num_warps=OUT_WARPS)
+    finally:
+        if solve is not None:
+            _SOLVE_LOCK.release()
     launch.done()
     return out
 
@@ -513,16 +521,17 @@ class _SolveGraph:
     """The batched solve of one kind of call (shapes, workspace layout, scale, iterations; the device,
     the current stream, the fp32 matmul settings), captured once as a CUDA graph over a workspace that then
     persists: each call's kernels fill it, the graph replays the solve in it. Calls on one stream
-    run in order, so they can share it; another stream gets its own. Up to ``MAX_SOLVE_GRAPHS``
+    run in order, so they can share it (``_SOLVE_LOCK``: two threads' launches do not interleave);
+    another stream gets its own. Up to ``MAX_SOLVE_GRAPHS``
     are kept, the least recently used dropped first (each holds its workspace and the solve's
     intermediates: a few r x r fp32 matrices per head). None, and the solve runs launch by launch on a
     fresh workspace, off CUDA, in the interpreter, while the caller's stream is being captured
     (the launches then join the caller's graph) or where capture failed (logged once)."""
 
-    __slots__ = ("ws", "graph")
+    __slots__ = ("ws", "graph", "stream")
 
-    def __init__(self, ws: Tensor, graph: torch.cuda.CUDAGraph):
-        self.ws, self.graph = ws, graph
+    def __init__(self, ws: Tensor, graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream):
+        self.ws, self.graph, self.stream = ws, graph, stream
 
     @staticmethod
     def get(kind: tuple, numel: int, device: torch.device, solve) -> _SolveGraph | None:
@@ -544,7 +553,7 @@ class _SolveGraph:
                         type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             return None
         if len(_SOLVE_GRAPHS) >= MAX_SOLVE_GRAPHS:
-            _SOLVE_GRAPHS.popitem(last=False)
+            _SOLVE_GRAPHS.popitem(last=False)[1].stream.synchronize()  # its replays done before its memory goes
         _SOLVE_GRAPHS[key] = entry
         return entry
 
@@ -563,10 +572,11 @@ class _SolveGraph:
                 finally:
                     graph.capture_end()
             here.wait_stream(side)
-        return _SolveGraph(ws, graph)
+        return _SolveGraph(ws, graph, here)
 
 
 GRAPH_SOLVE = True  # capture the batched solve as a CUDA graph (False: every call launches it op by op)
 MAX_SOLVE_GRAPHS = 8
 _SOLVE_GRAPHS: OrderedDict[tuple, _SolveGraph] = OrderedDict()
 _SOLVE_UNGRAPHED: set[tuple] = set()  # kinds whose capture failed
+_SOLVE_LOCK = threading.Lock()  # held while a batched-solve call issues its launches
