@@ -97,11 +97,10 @@ class _Direct(nn.Module):
         self.ada, self.run = ada, BACKENDS[backend].run
 
     def forward(self, x: Tensor, causal: bool) -> Tensor:
-        a = self.ada
+        a = self._modules["ada"]  # as AdaAttention reads its own submodules (not nn.Module.__getattr__)
         B, S, E = x.shape
         q, k, v = a._project(x, x, x)
-        out = self.run(q, k, v, None, causal, 1 / math.sqrt(a.head_dim))
-        return a.out_proj(out.transpose(1, 2).reshape(B, S, E))
+        return a._out_proj(self.run(q, k, v, None, causal, 1 / math.sqrt(a.head_dim)), B, S, E)
 
 
 class ModuleStudy:
@@ -113,10 +112,11 @@ class ModuleStudy:
     # is judged on the first, the module's Python overhead on the second
     kernel_calls = 10
     host_calls = 20
-    # the 3% goal's time per call (scaling only): adaattn and the direct backends side by side
-    # (``side_by_side.py``), about this many ms of calls per shape and mode, within these rounds
-    side_by_side_ms = {"cuda": 1000.0, "cpu": 3000.0}
-    side_by_side_rounds = {"cuda": (20, 200), "cpu": (10, 60)}
+    # time per call side by side (``side_by_side.py``), about this many ms of calls per shape and mode,
+    # within these rounds: scaling's 3% goal (adaattn and the direct backends) and G2-T1 (the module
+    # providers, CPU only: a point's calls take 10-80 ms there, so it gets more time)
+    side_by_side_ms = {("G2-B", "cuda"): 1000.0, ("G2-B", "cpu"): 3000.0, ("G2-T1", "cpu"): 15000.0}
+    side_by_side_rounds = {("G2-B", "cuda"): (20, 200), ("G2-B", "cpu"): (10, 60), ("G2-T1", "cpu"): (20, 200)}
 
     def __init__(self, name: str, section_id: str, table_ids: tuple[str, ...], device: str = "cpu"):
         self.name, self.section_id, self.table_ids, self.device = name, section_id, table_ids, device
@@ -247,9 +247,9 @@ class ModuleStudy:
         return True
 
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
-        """Scaling: the 3% goal's providers side by side. Both studies: the kernel manager's ranking
-        per signature (fastest first), as it measured it in this run."""
-        rows = self._side_by_side(params, target) if self.section_id == "G2-B" else []
+        """Providers side by side (scaling: the 3% goal's; cpu_baseline: G2-T1's). Both studies: the
+        kernel manager's ranking per signature (fastest first), as it measured it in this run."""
+        rows = self._side_by_side(params, target)
         for manager in self._managers.values():
             for key, ranking in manager.rankings.items():
                 times = manager.timings.get(key, {})
@@ -265,18 +265,29 @@ class ModuleStudy:
         return rows
 
     def _side_by_side(self, params: Params, target: Target) -> list[dict]:
-        """``side_by_side_ms``: adaattn and every available ``direct:<backend>`` of the case, their calls
-        interleaved, per case and mode (the goal's time per call)."""
-        groups = []
+        """``side_by_side_ms`` per case and mode, the calls interleaved, and adaattn's ``paired_ratio`` to
+        each other provider. Scaling (the 3% goal's time per call): adaattn and every available
+        ``direct:<backend>``. G2-T1: every module provider of the case, none left out."""
+        groups, keep = [], ["adaattn"]
         for case in self.cases(params, target):
-            direct = [p for p in case.providers if p.startswith("direct:") and self.unavailable(p, self.device) is None]
+            if self.section_id == "G2-T1":
+                names = [p for p in case.providers if self.unavailable(p, self.device) is None]
+                keep = names
+            else:
+                names = ["adaattn"] + [p for p in case.providers if p.startswith("direct:")
+                                       and self.unavailable(p, self.device) is None]
+            if "adaattn" not in names:
+                continue
             base = {"table_id": self.section_id, "case_id": case.case_id, "kernel": "", **case.config}
             for mode in case.modes:
-                names = ["adaattn"] + [p for p in direct if mode == "fwd" or self.has_backward(p)]
-                groups.append((base, mode, {p: functools.partial(self.setup, case, p, mode != "fwd") for p in names}))
-        lo, hi = self.side_by_side_rounds[self.device]
-        return side_by_side_rows(groups, self.device, keep=("adaattn",), budget_ms=self.side_by_side_ms[self.device],
-                                 min_rounds=lo, max_rounds=hi)
+                timed = [p for p in names if mode == "fwd" or self.has_backward(p)]
+                groups.append((base, mode, {p: functools.partial(self.setup, case, p, mode != "fwd") for p in timed}))
+        if not groups:
+            return []
+        budget = (self.section_id, self.device)
+        lo, hi = self.side_by_side_rounds[budget]
+        return side_by_side_rows(groups, self.device, keep=keep, budget_ms=self.side_by_side_ms[budget],
+                                 min_rounds=lo, max_rounds=hi, paired="adaattn")
 
     # ------------------------------------------------------------------ report
 

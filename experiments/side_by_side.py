@@ -12,7 +12,8 @@ timed with ``perf_counter``. On a GPU a turn is ``BURST`` calls: the L2 flushed 
 drained first, one call that is not counted (its host time runs on an idle GPU), then
 ``BURST`` - 1 calls back to back between two CUDA events, their mean the sample: a steady stream
 of calls, as a model's loop makes them, whose time is the host's where the call is host-bound
-and the GPU's where it is GPU-bound.
+and the GPU's where it is GPU-bound. A goal's ratio is best taken round by round
+(``paired_ratios``): both turns of a round see the same host, so what drifts between rounds cancels.
 
 Designs measured and dropped (H100): one call per turn behind another provider's GPU work hid a
 host-bound call's host time (the fused Nyström path came out at its kernel time, 4x under its
@@ -88,8 +89,14 @@ def warm_ms(call: Callable[[], object], device: str, calls: int = WARMUP_CALLS) 
 
 
 def interleaved_times_ms(calls: Sequence[Callable[[], object]], device: str, rounds: int) -> list[Quantiles]:
-    """Quantiles of each call's time (ms) over ``rounds`` shuffled rounds of one turn each (on a GPU,
-    a sample is the mean of a turn's ``BURST`` - 1 counted calls; on a CPU, one call)."""
+    """Quantiles of each call's time (ms) over ``rounds`` shuffled rounds (``interleaved_samples_ms``)."""
+    return [quantiles(s) for s in interleaved_samples_ms(calls, device, rounds)]
+
+
+def interleaved_samples_ms(calls: Sequence[Callable[[], object]], device: str, rounds: int) -> list[list[float]]:
+    """Each call's time (ms) in each of ``rounds`` shuffled rounds of one turn each, in round order
+    (sample j of every call comes from round j). On a GPU a sample is the mean of a turn's
+    ``BURST`` - 1 counted calls; on a CPU, one call."""
     if not calls or rounds < 1:
         raise ValueError(f"need calls and rounds >= 1; got {len(calls)} calls, {rounds} rounds")
     order = shuffled_rounds(len(calls), rounds)
@@ -123,18 +130,32 @@ def interleaved_times_ms(calls: Sequence[Callable[[], object]], device: str, rou
                 t0 = time.perf_counter()
                 calls[i]()
                 samples[i].append((time.perf_counter() - t0) * 1e3)
-    return [quantiles(s) for s in samples]
+    return samples
+
+
+def paired_ratios(test: Sequence[float], other: Sequence[float]) -> Quantiles:
+    """Quantiles over rounds of ``test``'s time over ``other``'s in the same round. The two turns of a
+    round are seconds apart at most, so a drift of the host's speed between rounds cancels in each
+    ratio: far tighter than the ratio of the two medians when the drift is larger than the gap."""
+    if len(test) != len(other) or not test:
+        raise ValueError(f"need one sample of each per round; got {len(test)} and {len(other)}")
+    return quantiles([t / o for t, o in zip(test, other, strict=True)])
 
 
 def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], Workload]]]], device: str,
-                      keep: Sequence[str], budget_ms: float, min_rounds: int, max_rounds: int) -> list[dict]:
+                      keep: Sequence[str], budget_ms: float, min_rounds: int, max_rounds: int,
+                      paired: str | None = None) -> list[dict]:
     """``side_by_side_ms`` rows, one per (group, provider). A group: (the rows' common fields: table,
     case and config columns; mode; provider -> a function that builds its workload). Each group's
     providers are warmed up and timed alone first; ``keep`` names the providers under test, always
     timed; any other one more than ``CONTENDER`` x the fastest of those others cannot be the best
     of them and is left out of the rounds (a "pruned" row).
     Then as many rounds as fit ``budget_ms``, within [min_rounds, max_rounds]. A provider whose
-    workload fails to build or run gets an error row; the others still run."""
+    workload fails to build or run gets an error row; the others still run. ``paired`` (one of
+    ``keep``): also a ``paired_ratio`` row per other timed provider, ``paired``'s time over that
+    provider's, round by round (``paired_ratios``)."""
+    if paired is not None and paired not in keep:
+        raise ValueError(f"paired provider {paired!r} must be one of keep: {', '.join(keep)}")
     if not 1 <= min_rounds <= max_rounds:
         raise ValueError(f"need 1 <= min_rounds <= max_rounds; got {min_rounds}, {max_rounds}")
     rows = []
@@ -166,11 +187,21 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
                              "reason": f"warm-up {est[i]:.3g} ms > {CONTENDER:g}x the fastest ({fastest:.3g} ms)"})
             per_turn = BURST if device == "cuda" else 1
             rounds = min(max_rounds, max(min_rounds, math.ceil(budget_ms / per_turn / sum(est[i] for i in timed))))
-            times = interleaved_times_ms([calls[i] for i in timed], device, rounds)
-        for i, q in zip(timed, times, strict=True):
-            rows.append({**row, "provider": names[i], "value": q.p50, "p20": q.p20, "p80": q.p80, "mean": q.mean,
-                         "std": q.std, "unit": f"{unit}; {rounds} rounds", "status": "ok", "reason": ""})
+            samples = interleaved_samples_ms([calls[i] for i in timed], device, rounds)
+        by_name = {names[i]: x for i, x in zip(timed, samples, strict=True)}
+        for i, x in zip(timed, samples, strict=True):
+            rows.append({**row, "provider": names[i], **_stats(quantiles(x)), "unit": f"{unit}; {rounds} rounds",
+                         "status": "ok", "reason": ""})
+        for name, x in by_name.items() if paired in by_name else ():
+            if name != paired:
+                rows.append({**row, "provider": name, "metric": "paired_ratio", **_stats(paired_ratios(by_name[paired], x)),
+                             "unit": f"{paired}'s time over this provider's in the same round (p50 over {rounds} "
+                                     f"rounds; {how})", "status": "ok", "reason": ""})
         del calls
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _stats(q: Quantiles) -> dict:
+    return {"value": q.p50, "p20": q.p20, "p80": q.p80, "mean": q.mean, "std": q.std}

@@ -108,12 +108,17 @@ def test_module_providers_share_weights_and_match_the_float64_module(tmp_path):
     assert all(g == {"adaattn"} | direct for g in groups), groups
     ok = side[side.status == "ok"]
     assert "adaattn" in set(ok.provider) and (ok.value > 0).all()
+    # adaattn's per-round ratio to every direct backend timed beside it
+    paired = df[df.metric == "paired_ratio"]
+    timed = ok[ok.provider != "adaattn"].groupby(["case_id", "mode"])["provider"].apply(set)
+    assert paired.groupby(["case_id", "mode"])["provider"].apply(set).equals(timed)
+    assert ((paired.p20 <= paired.value) & (paired.value <= paired.p80) & (paired.value > 0)).all()
     from adaattn_experiments.ada_modules_report import render
 
     g2_b = render("scaling", df, tmp_path)[0]
     bases = [v.measured.split(":")[0] for v in g2_b.verdicts if v.claim.startswith("goal:")]
-    assert any("interleaved in shuffled rounds" in b for b in bases), bases
-    assert "same, side by side" in g2_b.markdown
+    assert any("time per call, side by side" in b for b in bases), bases
+    assert "adaattn / fastest direct, per round" in g2_b.markdown
 
 
 def test_rank_study_policy_estimators_and_oracle():
@@ -151,8 +156,18 @@ def test_reports_render_from_results(tmp_path):
     assert sections[0].table_id == "G2-T3" and {v.table_id for v in sections[0].verdicts} == {"G2-T3", "G2-T2"}
     (section,) = render_rank(_run(RANK, params), tmp_path)
     assert "oracle landmarks" in section.markdown and (tmp_path / "g2_c1_error_cpu.png").exists()
-    (section,) = render_modules("cpu_baseline", _run(CPU_BASELINE, params), tmp_path)
+    df = _run(CPU_BASELINE, params)
+    # G2-T1's providers side by side, none left out, and adaattn's per-round ratio to each of the others
+    side = df[df.metric == "side_by_side_ms"]
+    assert (side.status == "ok").all() and set(side.provider) == set(params.g2_t1.cpu.providers)
+    paired = df[df.metric == "paired_ratio"]
+    assert set(paired.provider) == set(params.g2_t1.cpu.providers) - {"adaattn"}
+    (section,) = render_modules("cpu_baseline", df, tmp_path)
     assert " ± " in section.markdown and section.table_id == "G2-T1"
+    assert "adaattn / mha, per round" in section.markdown
+    mha = paired[paired.provider == "mha"].set_index("case_id")
+    for v in section.verdicts:  # the verdict is on the median per-round ratio (B1_S32 and B2_S16 are not guide points)
+        assert f"{mha.value.iloc[0]:.3f}" in v.measured or f"{mha.value.iloc[-1]:.3f}" in v.measured
 
 
 def test_g2_t1_is_a_cpu_table():

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from adaattn.bench.harness import Workload
-from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_times_ms, shuffled_rounds,
-                                              side_by_side_rows)
+from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_samples_ms, interleaved_times_ms,
+                                              paired_ratios, shuffled_rounds, side_by_side_rows)
 
 
 def test_rounds_are_reproducible_shuffled_permutations():
@@ -69,3 +70,36 @@ def test_slow_providers_are_pruned_unless_kept_and_failures_are_rows():
     assert "backend missing here" in by["broken"]["reason"] and "x the fastest" in by["slow"]["reason"]
     assert by["kept"]["value"] < by["fast"]["value"] and by["fast"]["metric"] == "side_by_side_ms"
     assert "3 rounds" in by["fast"]["unit"]  # the budget (20 ms) fits fewer rounds than the minimum
+
+
+def test_paired_ratios_cancel_a_drift_between_rounds():
+    """The host slows down and speeds up from round to round (1x-4x): each provider's own times spread
+    with it, their per-round ratio does not."""
+    n = [0]
+
+    def call(ms: float):
+        def run():
+            drift = 1 + (n[0] // 2) % 4  # both turns of a round see the same host speed
+            n[0] += 1
+            time.sleep(ms * drift / 1e3)
+        return run
+
+    a, b = interleaved_samples_ms([call(3.0), call(2.0)], "cpu", rounds=12)
+    assert len(a) == len(b) == 12
+    spread = max(a) / min(a)
+    r = paired_ratios(a, b)
+    assert spread > 3 and 1.3 < r.p20 <= r.p50 <= r.p80 < 1.7 and r.p80 / r.p20 < 1.15
+    with pytest.raises(ValueError, match="one sample of each per round"):
+        paired_ratios(a, b[:-1])
+
+
+def test_paired_rows_name_the_other_provider_and_need_a_kept_provider():
+    base = {"table_id": "T", "case_id": "c", "kernel": ""}
+    builders = {"kept": lambda: _sleeper(2.0), "rival": lambda: _sleeper(1.0)}
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=5,
+                             max_rounds=5, paired="kept")
+    (pair,) = [r for r in rows if r["metric"] == "paired_ratio"]
+    assert pair["provider"] == "rival" and 1.5 < pair["value"] < 2.5 and "kept's time over" in pair["unit"]
+    with pytest.raises(ValueError, match="must be one of keep"):
+        side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=1,
+                          max_rounds=1, paired="rival")
