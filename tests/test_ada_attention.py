@@ -91,16 +91,16 @@ def test_projections_read_the_current_parameters():
     mha, ada = _pair(rank_mode="full")
     x = torch.randn(2, 7, E)
     ada(x, x, x), ada(x, x, x)  # a replay plan exists
-    new = nn.Parameter(torch.randn_like(ada.in_proj_weight))
+    new = nn.Parameter(0.2 * torch.randn_like(ada.in_proj_weight))
     ada.in_proj_weight = new
     parametrize.register_parametrization(ada.out_proj, "weight", Double())
     with torch.no_grad():
         mha.in_proj_weight.copy_(new)
         mha.out_proj.weight.mul_(2)
     for _ in range(2):  # every policy, then the replay
-        torch.testing.assert_close(ada(x, x, x)[0], mha(x, x, x)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ada(x, x, x)[0], mha(x, x, x)[0], atol=1e-4, rtol=1e-4)
     x2 = torch.randn(2, 5, E)  # cross-attention: q, k and v projected apart, from slices of the weight
-    torch.testing.assert_close(ada(x, x2, x2)[0], mha(x, x2, x2)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ada(x, x2, x2)[0], mha(x, x2, x2)[0], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
