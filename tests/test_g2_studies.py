@@ -232,3 +232,20 @@ def test_rank_goal_reads_side_by_side_times_and_the_solve_floor(tmp_path, monkey
     assert "at 1 of 2 points (16-16 landmarks, solved by batched products) the r x r solve alone" in per_call.reason
     goal = section.markdown.split("### Goal")[1]
     assert "pinv products ms (cuBLAS bf16)" in goal and "2x budget ms" in goal
+
+
+def test_scaling_goal_per_call_is_the_highest_per_round_ratio():
+    """The 3% goal by time per call: adaattn's per-round ratio to each direct backend; the goal's
+    ratio at a shape is the highest of them (the fastest backend's), judged against 1.03."""
+    from adaattn_experiments.ada_modules_report import _paired_goal
+
+    def row(case, provider, value):
+        return {"target": "h100", "case_id": case, "mode": "fwd", "batch": 1, "seq_len": 512, "metric": "paired_ratio",
+                "status": "ok", "provider": provider, "value": value, "p20": value - 0.01, "p80": value + 0.01}
+
+    runs = pd.DataFrame([row("a", "direct:sdpa", 1.05), row("a", "direct:math", 0.5),
+                         row("b", "direct:sdpa", 1.01), row("b", "direct:sdpa_cudnn", 1.02),
+                         row("b", "mha", 1.5)])  # not a direct backend: not the goal's
+    goal = _paired_goal(runs).set_index("case_id")
+    assert goal.loc["a", "vs"] == "direct:sdpa" and goal.loc["a", "value"] == 1.05
+    assert goal.loc["b", "vs"] == "direct:sdpa_cudnn" and goal.loc["b", "value"] == 1.02
