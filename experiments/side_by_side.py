@@ -88,11 +88,6 @@ def warm_ms(call: Callable[[], object], device: str, calls: int = WARMUP_CALLS) 
     return best
 
 
-def interleaved_times_ms(calls: Sequence[Callable[[], object]], device: str, rounds: int) -> list[Quantiles]:
-    """Quantiles of each call's time (ms) over ``rounds`` shuffled rounds (``interleaved_samples_ms``)."""
-    return [quantiles(s) for s in interleaved_samples_ms(calls, device, rounds)]
-
-
 def interleaved_samples_ms(calls: Sequence[Callable[[], object]], device: str, rounds: int) -> list[list[float]]:
     """Each call's time (ms) in each of ``rounds`` shuffled rounds of one turn each, in round order
     (sample j of every call comes from round j). On a GPU a sample is the mean of a turn's

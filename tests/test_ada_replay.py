@@ -4,6 +4,7 @@ and stop replaying when a decision may change (precision recheck due, backend di
 autocast, frozen weights)."""
 
 import copy
+import gc
 import pickle
 
 import pytest
@@ -103,10 +104,12 @@ def test_a_disabled_backend_is_not_replayed():
     with torch.no_grad():
         ada(x, x, x)
         first = next(iter(ada.manager.calls))
+        _calls(ada, x, 2)  # replayed
         ada.manager.disable(first)
-        ada(x, x, x)
+        _calls(ada, x, 2)
     calls = ada.get_statistics()["calls"]
-    assert calls[first] == 1 and sum(calls.values()) == 2
+    assert calls[first] == 3 and sum(calls.values()) == 5
+    assert [p.backend for p in ada._plans.values()] != [first]
     with pytest.raises(ValueError, match="unknown attention backend"):
         ada.manager.disable("no_such_backend")
 
@@ -201,6 +204,38 @@ def test_copies_and_pickles_start_without_plans():
     back = pickle.loads(pickle.dumps(ada.cpu()))
     with torch.no_grad():
         torch.testing.assert_close(back(x, x, x)[0], ada(x, x, x)[0], atol=0, rtol=0)
+
+
+def test_the_manager_counts_replays_of_live_copied_and_collected_modules():
+    """A replay calls its backend without the manager; the manager still counts it, while the module
+    lives (``get_statistics``) and after it is gone (its calls settle into the manager's own count)."""
+    km = AttentionKernelManager(backends=["sdpa", "math"])
+    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=km)
+    x = torch.randn(2, 16, E)
+    _calls(ada, x, 4)
+    assert km.get_statistics()["total_calls"] == 4 and sum(km.calls.values()) == 1  # 3 replays not settled
+    twin = copy.deepcopy(ada)
+    assert twin.kernel_manager is not km  # a deep copy copies its manager too
+    twin.kernel_manager = km
+    _calls(twin, x, 3)
+    assert km.get_statistics()["total_calls"] == 7
+    del ada, twin
+    gc.collect()
+    assert not km._tracked and km.get_statistics()["total_calls"] == 7 and sum(km.calls.values()) == 7
+
+
+def test_moving_the_module_drops_the_plans():
+    """The key holds no device or dtype: ``.to()`` and the like retire the plans they were made for."""
+    ada = _module(rank_mode="full")
+    x = torch.randn(2, 16, E)
+    _calls(ada, x, 2)
+    assert ada._plans
+    ada.double()
+    assert not ada._plans and ada.get_statistics()["ranks"] == {"full": 2}
+    with torch.no_grad():
+        out = ada(x.double(), x.double(), x.double())[0]
+        assert out.dtype == torch.float64 and [p.q_dtype for p in ada._plans.values()] == [torch.float64]
+        torch.testing.assert_close(ada(x.double(), x.double(), x.double())[0], out, atol=0, rtol=0)
 
 
 def test_a_module_and_its_parameters_are_still_nn_multihead_attentions():

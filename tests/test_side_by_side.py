@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from adaattn.bench.harness import Workload
-from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_samples_ms, interleaved_times_ms,
-                                              paired_ratios, shuffled_rounds, side_by_side_rows)
+from adaattn.bench.timing import quantiles
+from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_samples_ms, paired_ratios, shuffled_rounds,
+                                              side_by_side_rows)
 
 
 def test_rounds_are_reproducible_shuffled_permutations():
@@ -30,7 +31,7 @@ def test_calls_interleave_and_each_gets_its_own_time():
             time.sleep(ms / 1e3)
         return run
 
-    times = interleaved_times_ms([call(0, 0.0), call(1, 5.0), call(2, 0.0)], "cpu", rounds=8)
+    times = [quantiles(s) for s in interleaved_samples_ms([call(0, 0.0), call(1, 5.0), call(2, 0.0)], "cpu", rounds=8)]
     assert [q.n for q in times] == [8, 8, 8]
     assert all(sorted(log[3 * j:3 * j + 3]) == [0, 1, 2] for j in range(8))  # one of each per round
     assert times[1].p50 >= 5.0 > 4 * max(times[0].p50, times[2].p50)

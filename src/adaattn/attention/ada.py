@@ -15,8 +15,8 @@ the exact path or the Nyström low-rank path (``rank.py``; "auto" estimates the 
 call of each signature, and only unmasked attention of ``min_low_rank_len`` keys or more goes
 low-rank); the exact path goes through the kernel manager (``kernel_manager.py``), which runs
 the fastest backend measured on this machine for the inputs. A later call like an earlier one
-(same shapes, dtype, device, causal, mode; no mask, no weights) replays those decisions (``_Plan``)
-instead of taking every policy again.
+(same shapes, causal, mode, grad mode and projections' dtype; no mask, no weights) replays those
+decisions (``_Plan``) instead of taking every policy again.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from adaattn.attention.rank import choose_rank, nystrom_attention
 
 ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file for the shared manager's measured choices
 _shared: AttentionKernelManager | None = None
+_grad_enabled = torch.is_grad_enabled  # read on every call
 
 
 MAX_PLANS = 256  # replay plans per module, one per kind of call; the oldest goes first
@@ -56,29 +58,40 @@ class _Plan:
     hardware, precision, rank, the manager's ranking) cost 23-26 us of host time per forward on the
     H100 host, against a 3% goal (B=1, S=512 and 2048, E=512 bf16: 131.7 and 126.6 us with every
     policy, 108.7 and 105.0 replayed, the direct call 108.7 and 100.1; the GPU held by a sleep
-    kernel). Called back to back there, ``_replay`` took 0.98-1.00x the direct call's time and
-    ``forward`` (the lookup too) 1.02-1.03x; on the development CPU a replay adds 0.7-1.4 us to a
-    28 us forward (B=1, S=8, E=64, one thread). Scratch timings during this change, not a study.
+    kernel). A replay then still read more than it needed. Side by side with the direct call on the
+    H100 host (B=1, S=512-4096, E=512 bf16, two machines), the module took 1.019-1.078x its time when
+    the key held the inputs' dtype and device and each call checked that the manager's choices still
+    held and bumped its counter; 1.019-1.034x with ``forward``'s inline replay below. The counter
+    alone was 0.7-1.6% of a call, so the manager counts a plan's calls when asked (``track``).
+    Scratch timings during these changes, not a study.
 
     A plan stops applying when the precision policy is due to look again (``limit`` calls), the
-    manager's choice may have changed (``epoch``), the projections' dtype or grad mode differs from
-    the plan's, or its backend fails; the call then takes every policy again. Setting a policy
-    attribute (``POLICY_ATTRS``) drops the plans."""
+    manager's choice may have changed (it sets ``limit`` to ``calls``), the projections' dtype or
+    grad mode differs from the plan's, or its path fails; the call then takes every policy again.
+    Setting a policy attribute (``POLICY_ATTRS``) or moving the module (``_apply``) drops the plans."""
 
     sig: str  # the signature key the decisions are filed under
     q_dtype: torch.dtype  # the projections' dtype they were made for
     grad: bool  # a training signature (the projections need gradients)
     dtype: torch.dtype  # compute dtype
     rank: int | None  # landmarks of the low-rank path, None: exact
-    run: Run | None  # the manager's backend for the exact path; None: the low-rank path or SDPA
-    backend: str | None
-    manager: AttentionKernelManager | None
-    epoch: int  # the manager's epoch when the backend was chosen
+    run: Run  # the path: the manager's backend, the low-rank path or SDPA
+    backend: str | None  # the manager's backend, None: the low-rank path or SDPA
+    manager: AttentionKernelManager | None  # the backend's: it counts the calls and may stop the plan (``track``)
+    out_dtype: torch.dtype | None  # the output's dtype where it is not the compute dtype
     causal: bool
     scale: float
-    limit: int  # calls before the precision policy must look again
+    limit: int  # calls before the precision policy must look again (or the manager's choice may change)
+    checks: bool  # the precision policy counts the calls to its next look
     skipped: str | None  # why the low-rank path was not taken, counted per call (``MASKED``), or None
     calls: int = 0
+
+
+def _low_rank(rank: int) -> Run:
+    def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
+        return nystrom_attention(q, k, v, rank, scale=scale)  # planned only for unmasked, non-causal calls
+
+    return run
 
 
 def _param(module: nn.Module, name: str) -> Tensor | None:
@@ -88,6 +101,18 @@ def _param(module: nn.Module, name: str) -> Tensor | None:
     weight (``torch.nn.utils.parametrize``) is a property of the class and is read as one."""
     p = module._parameters
     return p[name] if name in p else getattr(module, name)
+
+
+def _untrack(plans: dict) -> None:
+    for plan in plans.values():
+        if plan.manager is not None:
+            plan.manager.untrack(plan)
+
+
+def _untrack_when_gone(module: AdaAttention) -> None:
+    """When ``module`` is collected, its plans' calls go to their managers' counts (which hold the plans
+    until then: ``AttentionKernelManager.track``)."""
+    weakref.finalize(module, _untrack, module._plans).atexit = False
 
 
 def shared_kernel_manager() -> AttentionKernelManager:
@@ -152,6 +177,7 @@ class AdaAttention(nn.Module):
         self._precisions: Counter[torch.dtype] = Counter()
         self._low_rank_skipped: Counter[str] = Counter()
         self._plans: dict[tuple, _Plan] = {}  # kind of call -> what the policies decided for it
+        _untrack_when_gone(self)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:  # as nn.MultiheadAttention
@@ -257,18 +283,37 @@ class AdaAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                 key_padding_mask: Tensor | None = None, need_weights: bool = False,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
-        call = None
-        if attn_mask is None and key_padding_mask is None and not need_weights:
-            # a call like an earlier one replays what the policies decided for it (see _Plan); self-attention
-            # (one tensor: one GEMM projects it) and cross-attention keys differ in length
-            call = (query.shape, query.dtype, query.device, is_causal, self.training, torch.is_grad_enabled()) \
-                if query is key and key is value else (query.shape, key.shape, value.shape, query.dtype,
-                                                       query.device, is_causal, self.training,
-                                                       torch.is_grad_enabled())
-            plan = self._plans.get(call)
-            if plan is not None:
-                return self._replay(call, plan, query, key, value), None
-        return self._forward(call, query, key, value, attn_mask, key_padding_mask, need_weights, is_causal)
+        if attn_mask is not None or key_padding_mask is not None or need_weights:
+            return self._forward(None, query, key, value, attn_mask, key_padding_mask, need_weights, is_causal)
+        # a call like an earlier one replays what the policies decided for it (see _Plan); self-attention
+        # (one tensor: one GEMM projects it) and cross-attention keys differ in length. The inputs' dtype
+        # and device are not in the key: the projections' dtype is checked below, and moving the module
+        # drops the plans (``_apply``)
+        shape = query.shape
+        call = (shape, is_causal, self.training, _grad_enabled()) if query is key and key is value \
+            else (shape, key.shape, value.shape, is_causal, self.training, _grad_enabled())
+        plan = self._plans.get(call)
+        if plan is None:
+            return self._forward(call, query, key, value, None, None, False, is_causal)
+        if plan.calls >= plan.limit or not self.batch_first:
+            return self._replay(call, plan, query, key, value), None
+        # the replay of a batch-first call, inline (``_replay`` in full): at a host-bound shape this Python
+        # is the module's time over the direct call's, so it reads as few objects as it can (the manager
+        # counts the plan's calls when asked, and stops the plan when its choice may change: ``track``)
+        q, k, v = self._project(query, key, value)
+        if q.dtype is not plan.q_dtype or (call[-1] and (q.requires_grad or k.requires_grad) != plan.grad):
+            return self._replay(call, plan, query, key, value, (q, k, v)), None
+        if plan.dtype is not plan.q_dtype:
+            q, k, v = q.to(plan.dtype), k.to(plan.dtype), v.to(plan.dtype)
+        try:
+            out = plan.run(q, k, v, None, plan.causal, plan.scale)
+        except Exception:  # noqa: BLE001 - _forward takes every policy again (the manager falls back, logs why)
+            self._retire(call)
+            return self._forward(call, query, key, value, None, None, False, is_causal, (q, k, v))
+        plan.calls += 1
+        if plan.out_dtype is not None:
+            out = out.to(plan.out_dtype)
+        return self._out_proj(out, *shape), None
 
     def _forward(self, call: tuple | None, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
                  key_padding_mask: Tensor | None, need_weights: bool, is_causal: bool,
@@ -310,9 +355,10 @@ class AdaAttention(nn.Module):
             limit = self.precision.calls_until_check(key_) if policy else sys.maxsize
             if limit:  # None: the policy looks at every call
                 skipped = MASKED if self.rank_mode != "full" and mask_kind != "none" else None
-                self._file(call, _Plan(key_, q.dtype, sig.grad, dtype, rank, backend and BACKENDS[backend].run, backend,
-                                       self.manager if backend else None, self.manager.epoch, causal, scale, limit,
-                                       skipped))
+                run = _low_rank(rank) if rank is not None else BACKENDS[backend].run if backend else self._sdpa
+                self._file(call, _Plan(key_, q.dtype, sig.grad, dtype, rank, run, backend,
+                                       self.manager if backend else None, None if dtype == query.dtype else query.dtype,
+                                       causal, scale, limit, limit != sys.maxsize, skipped))
         out = out if out.dtype == query.dtype else out.to(query.dtype)
         out = self._out_proj(out, B, L, E)
         weights = self._weights(q, k, mask, causal, scale) if need_weights else None
@@ -328,33 +374,29 @@ class AdaAttention(nn.Module):
                                               dropout_p=self.dropout if self.training else 0.0,
                                               enable_gqa=self.num_kv_heads != self.num_heads)
 
-    def _replay(self, call: tuple, plan: _Plan, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """``_forward``'s work with its decisions taken from ``plan``: the projections, the chosen path, the
-        output projection, a count. Back to ``_forward`` when the plan no longer applies."""
-        if plan.calls >= plan.limit or (plan.manager is not None and plan.manager.epoch != plan.epoch):
+    def _replay(self, call: tuple, plan: _Plan, query: Tensor, key: Tensor, value: Tensor,
+                qkv: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+        """``_forward``'s work with its decisions taken from ``plan``: the projections (or ``qkv``, made
+        already), the chosen path, the output projection, a count. Back to ``_forward`` when the plan no
+        longer applies. ``forward`` runs this inline for batch-first calls."""
+        if plan.calls >= plan.limit:
             self._retire(call)
             return self._forward(call, query, key, value, None, None, False, plan.causal)[0]
         if not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         B, L, E = query.shape
-        q, k, v = self._project(query, key, value)
+        q, k, v = self._project(query, key, value) if qkv is None else qkv
         if q.dtype != plan.q_dtype or (q.requires_grad or k.requires_grad) != plan.grad:  # autocast, frozen weights
             self._retire(call)
             return self._forward(call, *self._inputs(query, key, value), None, None, False, plan.causal, (q, k, v))[0]
         qc, kc, vc = (q, k, v) if q.dtype == plan.dtype else (q.to(plan.dtype), k.to(plan.dtype), v.to(plan.dtype))
-        if plan.rank is not None:
-            out = nystrom_attention(qc, kc, vc, plan.rank, scale=plan.scale)
-        elif plan.run is not None:
-            try:
-                out = plan.run(qc, kc, vc, None, plan.causal, plan.scale)
-            except Exception:  # noqa: BLE001 - the manager falls back down its ranking and logs why
-                self._retire(call)
-                return self._forward(call, *self._inputs(query, key, value), None, None, False, plan.causal, (q, k, v))[0]
-            plan.manager.calls[plan.backend] += 1
-        else:
-            out = self._sdpa(qc, kc, vc, None, plan.causal, plan.scale)
+        try:
+            out = plan.run(qc, kc, vc, None, plan.causal, plan.scale)
+        except Exception:  # noqa: BLE001 - _forward takes every policy again (the manager falls back, logs why)
+            self._retire(call)
+            return self._forward(call, *self._inputs(query, key, value), None, None, False, plan.causal, (q, k, v))[0]
         plan.calls += 1
-        out = out if out.dtype == query.dtype else out.to(query.dtype)
+        out = out if plan.out_dtype is None else out.to(plan.out_dtype)
         out = self._out_proj(out, B, L, E)
         return out if self.batch_first else out.transpose(0, 1)
 
@@ -369,12 +411,16 @@ class AdaAttention(nn.Module):
         elif len(self._plans) >= MAX_PLANS:
             self._retire(next(iter(self._plans)))  # the oldest
         self._plans[call] = plan
+        if plan.manager is not None:
+            plan.manager.track(plan)
 
     def _retire(self, call: tuple) -> None:
         """Drop a plan, its calls counted where ``_forward`` counts them."""
         plan = self._plans.pop(call)
+        if plan.manager is not None:
+            plan.manager.untrack(plan)
         self._count(plan, self._precisions, self._ranks, self._low_rank_skipped)
-        if plan.calls and plan.limit != sys.maxsize:  # the precision policy counts calls to its next check
+        if plan.calls and plan.checks:  # the precision policy counts calls to its next check
             self.precision.record(plan.sig, plan.calls)
 
     @staticmethod
@@ -394,9 +440,17 @@ class AdaAttention(nn.Module):
             self._retire_all()  # before the change: the counts go to the policy that made the plans
         super().__setattr__(name, value)
 
+    def _apply(self, fn, *args, **kwargs):
+        self._retire_all()  # .to(), .half(), .cuda(): the plans were made for the parameters' device and dtype
+        return super()._apply(fn, *args, **kwargs)
+
     def __getstate__(self):  # copies and pickles start without plans (they hold the manager and backends)
         self._retire_all()
         return super().__getstate__()
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        _untrack_when_gone(self)
 
     def _weights(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
         """Attention probabilities averaged over heads (B, L, S), as nn.MultiheadAttention returns them."""

@@ -355,9 +355,9 @@ class AttentionKernelManager:
         self.calls: Counter[str] = Counter()
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # (backend, reason)
         self._disabled: frozenset[str] = frozenset()  # backends made unavailable (tests, user choice): disable()
-        # bumped when a choice already made may change (disable, enable): callers that cache the
-        # backend a call went to (AdaAttention's replay plans) compare it before reusing one
-        self.epoch = 0
+        # callers' replays of a backend this manager chose (AdaAttention's plans: ``backend``, ``calls``,
+        # ``limit``), calling it without the manager: counted here when asked, stopped when a choice may change
+        self._tracked: set = set()
 
     @property
     def disabled(self) -> frozenset[str]:
@@ -375,7 +375,29 @@ class AttentionKernelManager:
         if unknown:
             raise ValueError(f"unknown attention backend(s) {unknown}; allowed: {', '.join(BACKENDS)}")
         self._disabled = frozenset(names)
-        self.epoch += 1
+        for plan in self._tracked:  # a choice already made may change: its next call asks again
+            plan.limit = plan.calls
+
+    def track(self, plan) -> None:
+        """A replay of one of this manager's choices (an object with ``backend``, ``calls`` and ``limit``)
+        that calls the backend itself: its ``calls`` count as this manager's until ``untrack``, and a
+        change of choice sets its ``limit`` to its ``calls`` (the caller asks again on its next call)."""
+        self._tracked.add(plan)
+
+    def untrack(self, plan) -> None:
+        """The replay ends: its calls go to this manager's own count."""
+        if plan in self._tracked:
+            self._tracked.remove(plan)
+            if plan.calls:
+                self.calls[plan.backend] += plan.calls
+
+    def call_counts(self) -> Counter[str]:
+        """Calls per backend: through the manager and in the replays it tracks."""
+        calls = Counter(self.calls)
+        for plan in self._tracked:
+            if plan.calls:
+                calls[plan.backend] += plan.calls
+        return calls
 
     # ------------------------------------------------------------------ persistence
 
@@ -467,8 +489,9 @@ class AttentionKernelManager:
         raise RuntimeError(f"every attention backend failed for {sig}; fallbacks: {dict(self.fallbacks)}")
 
     def get_statistics(self) -> dict:
-        total = sum(self.calls.values())
-        return {"calls": dict(self.calls), "total_calls": total,
-                "flash_ratio": sum(n for b, n in self.calls.items() if b in FLASH_LIKE) / total if total else 0.0,
+        calls = self.call_counts()
+        total = sum(calls.values())
+        return {"calls": dict(calls), "total_calls": total,
+                "flash_ratio": sum(n for b, n in calls.items() if b in FLASH_LIKE) / total if total else 0.0,
                 "fallbacks": [{"backend": b, "reason": r, "count": n} for (b, r), n in self.fallbacks.items()],
                 "signatures": len(self.rankings)}
