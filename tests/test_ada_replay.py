@@ -6,6 +6,7 @@ autocast, frozen weights)."""
 import copy
 import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -222,6 +223,23 @@ def test_the_manager_counts_replays_of_live_copied_and_collected_modules():
     del ada, twin
     gc.collect()
     assert not km._tracked and km.get_statistics()["total_calls"] == 7 and sum(km.calls.values()) == 7
+
+
+@pytest.mark.parametrize("kw", [dict(rank_mode="full"), dict(rank_mode="full", enable_gpu_optimization=False),
+                                dict(rank_mode=8, min_low_rank_len=16)])
+def test_plans_do_not_keep_their_module_alive(kw):
+    """No reference cycle through a plan: a module with plans goes as soon as its last reference does."""
+    ada = AdaAttention(E, H, kernel_manager=AttentionKernelManager(backends=["sdpa"]), **kw)
+    x = torch.randn(2, 32, E)
+    _calls(ada, x, 3)
+    assert ada._plans
+    gone = weakref.ref(ada)
+    gc.disable()
+    try:
+        del ada
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_moving_the_module_drops_the_plans():

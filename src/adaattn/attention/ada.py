@@ -94,6 +94,16 @@ def _low_rank(rank: int) -> Run:
     return run
 
 
+def _sdpa_path(dropout_p: float) -> Run:
+    """SDPA with the module's dropout (the path without the manager); GQA by SDPA's ``enable_gqa``. A plain
+    function: a plan holding a bound method would keep its module alive in a reference cycle."""
+    def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              dropout_p=dropout_p, enable_gqa=q.shape[1] != k.shape[1])
+
+    return run
+
+
 def _param(module: nn.Module, name: str) -> Tensor | None:
     """``getattr(module, name)`` for a parameter, without ``nn.Module.__getattr__``: Python tries the
     instance and its class first, fails, and only then calls it (0.7-0.8 us per access on the
@@ -350,12 +360,13 @@ class AdaAttention(nn.Module):
             if self._through_manager():
                 out, backend = self.manager(qc, kc, vc, mask, causal, scale, sig=sig if qc is q else None)
             else:
-                out = self._sdpa(qc, kc, vc, mask, causal, scale)
+                out = _sdpa_path(self.dropout if self.training else 0.0)(qc, kc, vc, mask, causal, scale)
         if call is not None:
             limit = self.precision.calls_until_check(key_) if policy else sys.maxsize
             if limit:  # None: the policy looks at every call
                 skipped = MASKED if self.rank_mode != "full" and mask_kind != "none" else None
-                run = _low_rank(rank) if rank is not None else BACKENDS[backend].run if backend else self._sdpa
+                run = _low_rank(rank) if rank is not None else BACKENDS[backend].run if backend else \
+                    _sdpa_path(self.dropout if self.training else 0.0)  # dropout: a policy attribute; training: in the key
                 self._file(call, _Plan(key_, q.dtype, sig.grad, dtype, rank, run, backend,
                                        self.manager if backend else None, None if dtype == query.dtype else query.dtype,
                                        causal, scale, limit, limit != sys.maxsize, skipped))
@@ -368,11 +379,6 @@ class AdaAttention(nn.Module):
 
     def _through_manager(self) -> bool:
         return self.enable_gpu_optimization and not (self.dropout and self.training)  # its backends take no dropout
-
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                              dropout_p=self.dropout if self.training else 0.0,
-                                              enable_gqa=self.num_kv_heads != self.num_heads)
 
     def _replay(self, call: tuple, plan: _Plan, query: Tensor, key: Tensor, value: Tensor,
                 qkv: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:

@@ -375,7 +375,7 @@ class AttentionKernelManager:
         if unknown:
             raise ValueError(f"unknown attention backend(s) {unknown}; allowed: {', '.join(BACKENDS)}")
         self._disabled = frozenset(names)
-        for plan in self._tracked:  # a choice already made may change: its next call asks again
+        for plan in tuple(self._tracked):  # a choice already made may change: its next call asks again
             plan.limit = plan.calls
 
     def track(self, plan) -> None:
@@ -394,7 +394,7 @@ class AttentionKernelManager:
     def call_counts(self) -> Counter[str]:
         """Calls per backend: through the manager and in the replays it tracks."""
         calls = Counter(self.calls)
-        for plan in self._tracked:
+        for plan in tuple(self._tracked):  # a snapshot: another thread may file or retire plans
             if plan.calls:
                 calls[plan.backend] += plan.calls
         return calls
