@@ -202,6 +202,9 @@ def test_copies_and_pickles_start_without_plans():
     _calls(ada, x, 3)
     twin = copy.deepcopy(ada)
     assert not twin._plans and twin.get_statistics()["ranks"] == {"full": 3}
+    shallow = copy.copy(ada)
+    _calls(shallow, x, 2)
+    assert shallow._plans and not ada._plans  # each files its own plans
     back = pickle.loads(pickle.dumps(ada.cpu()))
     with torch.no_grad():
         torch.testing.assert_close(back(x, x, x)[0], ada(x, x, x)[0], atol=0, rtol=0)
@@ -240,6 +243,21 @@ def test_plans_do_not_keep_their_module_alive(kw):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_shared_manager_pickles_with_another_module_s_plans_live():
+    """A forced SDPA backend's run is a closure, which does not pickle: a manager shared with a module
+    that replays one still pickles (with that module's calls counted, without its plan)."""
+    km = AttentionKernelManager(backends=["sdpa_math"])
+    a, b = (AdaAttention(E, H, rank_mode="full", kernel_manager=km) for _ in range(2))
+    x = torch.randn(2, 16, E)
+    _calls(a, x, 3)
+    assert km._tracked
+    back = pickle.loads(pickle.dumps(b))
+    assert not back.kernel_manager._tracked and back.kernel_manager.calls == {"sdpa_math": 3}
+    assert km._tracked and sum(km.calls.values()) == 1  # the original keeps tracking a's plan
+    with torch.no_grad():
+        torch.testing.assert_close(back(x, x, x)[0], b(x, x, x)[0], atol=0, rtol=0)
 
 
 def test_moving_the_module_drops_the_plans():

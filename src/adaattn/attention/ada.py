@@ -456,6 +456,7 @@ class AdaAttention(nn.Module):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
+        self.__dict__["_plans"] = {}  # its own (a shallow copy's state holds the original's)
         _untrack_when_gone(self)
 
     def _weights(self, q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:

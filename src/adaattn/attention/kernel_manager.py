@@ -391,6 +391,13 @@ class AttentionKernelManager:
             if plan.calls:
                 self.calls[plan.backend] += plan.calls
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles hold the replays' calls in their own count, not the replays: those stay
+        with their callers and this manager (and may hold backends that do not pickle)."""
+        state = self.__dict__.copy()
+        state["calls"], state["_tracked"] = self.call_counts(), set()
+        return state
+
     def call_counts(self) -> Counter[str]:
         """Calls per backend: through the manager and in the replays it tracks."""
         calls = Counter(self.calls)
