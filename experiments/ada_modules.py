@@ -114,9 +114,12 @@ class ModuleStudy:
     host_calls = 20
     # time per call side by side (``side_by_side.py``), about this many ms of calls per shape and mode,
     # within these rounds: scaling's 3% goal (adaattn and the direct backends) and G2-T1 (the module
-    # providers, CPU only: a point's calls take 10-80 ms there, so it gets more time)
-    side_by_side_ms = {("G2-B", "cuda"): 1000.0, ("G2-B", "cpu"): 3000.0, ("G2-T1", "cpu"): 15000.0}
-    side_by_side_rounds = {("G2-B", "cuda"): (20, 200), ("G2-B", "cpu"): (10, 60), ("G2-T1", "cpu"): (20, 200)}
+    # providers, CPU only: a point's calls take 10-80 ms there, so it gets more time). The goal's
+    # question is whether a median ratio is above 1.03; at 1 s per shape (20-200 rounds, H100 scaling
+    # run at code 4622cc24) the rounds' p20-p80 spanned up to 0.98-1.35 at host-bound shapes and the
+    # medians' confidence intervals could not answer it, so the goal's shapes get 5 s
+    side_by_side_ms = {("G2-B", "cuda"): 5000.0, ("G2-B", "cpu"): 6000.0, ("G2-T1", "cpu"): 15000.0}
+    side_by_side_rounds = {("G2-B", "cuda"): (40, 1000), ("G2-B", "cpu"): (20, 200), ("G2-T1", "cpu"): (20, 200)}
 
     def __init__(self, name: str, section_id: str, table_ids: tuple[str, ...], device: str = "cpu"):
         self.name, self.section_id, self.table_ids, self.device = name, section_id, table_ids, device
@@ -143,6 +146,10 @@ class ModuleStudy:
     def cases(self, params: Params, target: Target) -> list[Case]:
         sec = self._section(params, target)
         self._backends = tuple(sec.manager_backends)
+        missing = [b for b in sec.manager_backends if self.section_id == "G2-B" and f"direct:{b}" not in sec.providers]
+        if missing:  # the goal's oracle is every backend the manager may pick, called directly
+            raise ValueError(f"{self.section_id}.{target.profile}.providers must hold direct:<backend> for every "
+                             f"manager_backends entry; missing: {', '.join('direct:' + b for b in missing)}")
         if self.section_id == "G2-T1":
             shapes = [("point", b, s, False) for b, s in sec.points]
         else:

@@ -16,6 +16,8 @@ from adaattn.attention.chunked import chunked_attention
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import (
     BACKENDS,
+    ROUNDS,
+    WRAPPED,
     AttentionKernelManager,
     Backend,
     Signature,
@@ -185,7 +187,47 @@ def test_ranking_by_gpu_time_with_host_heavy_backends_last():
     # a backend 3% slower on the GPU is no tie, however lean its host
     tie = {"forced": Timing(0.10, 1.000), "own": Timing(0.05, 1.015), "other": Timing(0.01, 1.03)}
     assert rank_timings(tie) == ["own", "forced", "other"]
-    assert rank_timings(tie, gpu_tie=0.0) == ["forced", "own", "other"]
+    assert rank_timings(tie, tie=0.0) == ["forced", "own", "other"]
+    # a tie goes first to the backend without a context manager, whatever the hosts' noisy times say
+    same_kernel = {"sdpa_cudnn": Timing(0.255, 0.0966), "sdpa": Timing(0.274, 0.0965), "sdpa_flash": Timing(0.2, 0.134)}
+    assert rank_timings(same_kernel) == ["sdpa", "sdpa_cudnn", "sdpa_flash"]
+    assert rank_timings(same_kernel, wrapped=frozenset()) == ["sdpa_cudnn", "sdpa", "sdpa_flash"]
+
+
+def test_cpu_tie_goes_to_the_backend_without_a_context_manager():
+    """On a CPU, times per call within 2% are a tie: SDPA's own choice before a forced SDPA backend (the
+    same kernel behind a context manager), each kind in order of time; 3% apart is no tie."""
+    cpu = {"sdpa_flash": Timing(0.554, None), "sdpa": Timing(0.557, None), "sdpa_math": Timing(0.556, None),
+           "chunked": Timing(0.570, None), "math": Timing(0.58, None)}
+    assert rank_timings(cpu) == ["sdpa", "sdpa_flash", "sdpa_math", "chunked", "math"]
+    assert rank_timings(cpu, tie=0.0) == ["sdpa_flash", "sdpa_math", "sdpa", "chunked", "math"]
+    assert rank_timings(cpu, wrapped=frozenset()) == ["sdpa_flash", "sdpa_math", "sdpa", "chunked", "math"]
+    assert {"sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"} <= WRAPPED and "sdpa" not in WRAPPED
+
+
+def test_measurement_rounds_keep_a_slow_spell_off_one_backend(monkeypatch):
+    """The backends take turns in rounds: a slow spell during one backend's first turn (its first calls
+    take 15 ms, then 0.5 ms) does not make it look slower than a steady 3 ms backend."""
+    seen = {"n": 0}
+
+    def spell(q, k, v, m, c, s):
+        seen["n"] += 1
+        time.sleep(0.015 if seen["n"] <= 6 else 0.0005)  # the warm-up and the first turn's 5 calls
+        return BACKENDS["math"].run(q, k, v, m, c, s)
+
+    def steady(q, k, v, m, c, s):
+        time.sleep(0.003)
+        return BACKENDS["math"].run(q, k, v, m, c, s)
+
+    monkeypatch.setitem(BACKENDS, "spell", Backend("spell", spell, BACKENDS["math"].why_not))
+    monkeypatch.setitem(BACKENDS, "steady", Backend("steady", steady, BACKENDS["math"].why_not))
+    km = AttentionKernelManager(backends=["spell", "steady"])
+    q, k, v = _qkv()
+    with torch.no_grad():
+        assert km(q, k, v)[1] == "spell"
+    times = km.timings[Signature.of(q, k, "none").key()]
+    assert times["spell"].host_ms < 3 < times["steady"].host_ms
+    assert seen["n"] == 1 + ROUNDS * km.repeats + 1  # one warm-up, its turns, the call itself
 
 
 def _slow_backward(delay: float) -> Backend:

@@ -5,6 +5,7 @@ and each report renders from its own results."""
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -57,6 +58,17 @@ def test_bad_g2_params_are_rejected_naming_key_and_allowed_values(key, value, me
     with pytest.raises(ConfigError) as err:
         _params(**{key: value})
     assert message in str(err.value) and key.split(".")[0] in str(err.value)
+
+
+def test_scaling_needs_a_direct_provider_for_every_manager_backend():
+    """The 3% goal's oracle is every backend the manager may pick, called directly: a missing one is an
+    error naming the key and the missing providers, raised when the cases are built (before any work)."""
+    providers = ["mha", "standard", "adaattn", "direct:sdpa", "direct:sdpa_math", "direct:chunked", "direct:math"]
+    from adaattn_experiments.ada_modules import SCALING
+
+    params, _ = _params(**{"G2-B.cpu.providers": providers})
+    with pytest.raises(ValueError, match=r"G2-B\.cpu\.providers must hold .*missing: direct:sdpa_flash$"):
+        SCALING.bind("cpu").cases(params, params.targets["cpu"])
 
 
 def test_precision_study_low_precision_is_less_accurate_and_tf32_is_a_cuda_row():
@@ -113,6 +125,14 @@ def test_module_providers_share_weights_and_match_the_float64_module(tmp_path):
     timed = ok[ok.provider != "adaattn"].groupby(["case_id", "mode"])["provider"].apply(set)
     assert paired.groupby(["case_id", "mode"])["provider"].apply(set).equals(timed)
     assert ((paired.p20 <= paired.value) & (paired.value <= paired.p80) & (paired.value > 0)).all()
+    # and its median's 95% confidence bounds, one of each per paired row, around it
+    keys = ["case_id", "mode", "provider"]
+    bounds = paired[[*keys, "value"]]
+    for side in ("low", "high"):
+        b = df[df.metric == f"paired_ratio_ci_{side}"][[*keys, "value"]].rename(columns={"value": side})
+        assert len(b) == len(paired)
+        bounds = bounds.merge(b, on=keys)
+    assert ((bounds.low <= bounds.value) & (bounds.value <= bounds.high)).all(), bounds
     from adaattn_experiments.ada_modules_report import render
 
     g2_b = render("scaling", df, tmp_path)[0]
@@ -249,3 +269,39 @@ def test_scaling_goal_per_call_is_the_highest_per_round_ratio():
     goal = _paired_goal(runs).set_index("case_id")
     assert goal.loc["a", "vs"] == "direct:sdpa" and goal.loc["a", "value"] == 1.05
     assert goal.loc["b", "vs"] == "direct:sdpa_cudnn" and goal.loc["b", "value"] == 1.02
+    assert (goal["ci_low"] == -math.inf).all() and (goal["ci_high"] == math.inf).all()  # no bounds: unbounded
+
+
+def test_scaling_goal_per_call_is_decided_by_the_medians_confidence_intervals():
+    """A shape is above 1.03 where the interval of its median lies above, within where it lies below (against
+    every direct backend: the highest bounds), undecided where it spans 1.03; one shape above: the goal
+    does not hold; none above and one undecided: inconclusive; all within: holds."""
+    from adaattn_experiments.ada_modules_report import GOAL_TIMES, _goal_verdicts, _paired_goal, _scaling_goal_rows
+
+    def rows(case, provider, value, lo, hi):
+        base = {"target": "h100", "case_id": case, "mode": "fwd", "batch": 1, "seq_len": 512, "status": "ok",
+                "provider": provider, "p20": value - 0.01, "p80": value + 0.01}
+        return [base | {"metric": "paired_ratio", "value": value},
+                base | {"metric": "paired_ratio_ci_low", "value": lo},
+                base | {"metric": "paired_ratio_ci_high", "value": hi}]
+
+    above = rows("a", "direct:sdpa", 1.06, 1.04, 1.08) + rows("a", "direct:math", 0.5, 0.4, 0.6)
+    # b's median is highest against sdpa, but the widest bounds are cudnn's: it spans 1.03
+    open_ = rows("b", "direct:sdpa", 1.02, 1.01, 1.025) + rows("b", "direct:sdpa_cudnn", 1.01, 0.98, 1.04)
+    within = rows("c", "direct:sdpa", 1.0, 0.99, 1.01)
+    goal = _paired_goal(pd.DataFrame(above + open_ + within)).set_index("case_id")
+    assert goal.loc["b", "vs"] == "direct:sdpa" and (goal.loc["b", "ci_low"], goal.loc["b", "ci_high"]) == (1.01, 1.04)
+
+    def verdict(frame_rows):
+        t = pd.DataFrame({"target": ["h100"], "hardware": ["H100"]})
+        (g,) = _scaling_goal_rows(pd.DataFrame(frame_rows))
+        assert g["time"] == GOAL_TIMES["paired_ratio"]
+        (v,) = _goal_verdicts([g], t)
+        return g, v
+
+    g, v = verdict(above + open_ + within)
+    assert (g["above 1.03"], g["undecided"], v.verdict) == (1, 1, "does not hold")
+    g, v = verdict(open_ + within)
+    assert (g["above 1.03"], g["undecided"], v.verdict) == (0, 1, "inconclusive") and "undecided" in v.measured
+    g, v = verdict(within)
+    assert (g["above 1.03"], g["undecided"], v.verdict) == (0, 0, "holds")

@@ -4,15 +4,17 @@ status rows without stopping the others."""
 
 from __future__ import annotations
 
+import math
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from adaattn.bench.harness import Workload
 from adaattn.bench.timing import quantiles
-from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_samples_ms, paired_ratios, shuffled_rounds,
-                                              side_by_side_rows)
+from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_samples_ms, median_ci, paired_ratios,
+                                              shuffled_rounds, side_by_side_rows)
 
 
 def test_rounds_are_reproducible_shuffled_permutations():
@@ -101,6 +103,29 @@ def test_paired_rows_name_the_other_provider_and_need_a_kept_provider():
                              max_rounds=5, paired="kept")
     (pair,) = [r for r in rows if r["metric"] == "paired_ratio"]
     assert pair["provider"] == "rival" and 1.5 < pair["value"] < 2.5 and "kept's time over" in pair["unit"]
+    # its median's confidence bounds: from the same 5 rounds, too few for 95% (5 or fewer: unbounded)
+    ci = {r["metric"]: r for r in rows if r["metric"].startswith("paired_ratio_ci_")}
+    assert set(ci) == {"paired_ratio_ci_low", "paired_ratio_ci_high"}
+    assert all(r["provider"] == "rival" for r in ci.values())
+    assert ci["paired_ratio_ci_low"]["value"] == -math.inf and ci["paired_ratio_ci_high"]["value"] == math.inf
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=12,
+                             max_rounds=12, paired="kept")
+    by = {r["metric"]: r["value"] for r in rows if r["provider"] == "rival"}
+    assert 1 < by["paired_ratio_ci_low"] <= by["paired_ratio"] <= by["paired_ratio_ci_high"] < 3
     with pytest.raises(ValueError, match="must be one of keep"):
         side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=1,
                           max_rounds=1, paired="rival")
+
+
+def test_median_ci_is_the_binomial_order_statistics_and_covers_the_median():
+    x = list(range(20, 0, -1))  # unsorted: 1..20
+    # P(Binomial(20, 1/2) <= 5) = 0.021 <= 0.025 < P(<= 6) = 0.058: the 6th and 15th order statistics
+    assert median_ci(x) == (6, 15)
+    assert median_ci(list(range(6))) == (0, 5)  # P(<= 0) = 1/64: the extremes at n = 6
+    assert median_ci(list(range(5))) == (-math.inf, math.inf)
+    with pytest.raises(ValueError, match="level must be in"):
+        median_ci(x, level=1.0)
+    # coverage on skewed draws of known median (lognormal: median 1): about 95.7% at n = 30
+    rng = np.random.default_rng(0)
+    hits = sum(lo <= 1.0 <= hi for lo, hi in (median_ci(rng.lognormal(0, 1, 30).tolist()) for _ in range(2000)))
+    assert 0.94 < hits / 2000 < 0.975

@@ -312,7 +312,8 @@ class AdaAttention(nn.Module):
         # counts the plan's calls when asked, and stops the plan when its choice may change: ``track``)
         q, k, v = self._project(query, key, value)
         if q.dtype is not plan.q_dtype or (call[-1] and (q.requires_grad or k.requires_grad) != plan.grad):
-            return self._replay(call, plan, query, key, value, (q, k, v)), None
+            self._retire(call)  # autocast, frozen weights: every policy again
+            return self._forward(call, query, key, value, None, None, False, is_causal, (q, k, v))
         if plan.dtype is not plan.q_dtype:
             q, k, v = q.to(plan.dtype), k.to(plan.dtype), v.to(plan.dtype)
         try:
@@ -380,18 +381,17 @@ class AdaAttention(nn.Module):
     def _through_manager(self) -> bool:
         return self.enable_gpu_optimization and not (self.dropout and self.training)  # its backends take no dropout
 
-    def _replay(self, call: tuple, plan: _Plan, query: Tensor, key: Tensor, value: Tensor,
-                qkv: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
-        """``_forward``'s work with its decisions taken from ``plan``: the projections (or ``qkv``, made
-        already), the chosen path, the output projection, a count. Back to ``_forward`` when the plan no
-        longer applies. ``forward`` runs this inline for batch-first calls."""
+    def _replay(self, call: tuple, plan: _Plan, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """``_forward``'s work with its decisions taken from ``plan``: the projections, the chosen path, the
+        output projection, a count. Back to ``_forward`` when the plan no longer applies. ``forward`` runs
+        this inline for batch-first calls."""
         if plan.calls >= plan.limit:
             self._retire(call)
             return self._forward(call, query, key, value, None, None, False, plan.causal)[0]
         if not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         B, L, E = query.shape
-        q, k, v = self._project(query, key, value) if qkv is None else qkv
+        q, k, v = self._project(query, key, value)
         if q.dtype != plan.q_dtype or (q.requires_grad or k.requires_grad) != plan.grad:  # autocast, frozen weights
             self._retire(call)
             return self._forward(call, *self._inputs(query, key, value), None, None, False, plan.causal, (q, k, v))[0]

@@ -9,15 +9,17 @@ file written under another torch version or measuring method is ignored). A trai
 
 What is timed (``_timed``): the host time to issue a call, and on a GPU the GPU time of its work,
 taken with the GPU held by a sleep kernel while the host issues the timed calls, so that host
-gaps do not count as GPU time. The ranking (``rank_timings``): on a CPU by time per call; on a
-GPU by GPU time, which is what the choice changes wherever the host runs ahead of the GPU (a
-GPU-bound model around the call, a CUDA graph). Host time decides only where it is far out of
-line: a backend whose issue time exceeds both its GPU time and ``HOST_SLACK`` (2x) times the
-leanest backend's goes after the others. Smaller host differences are not trusted: on the H100
-machine of the scaling study, SDPA's issue time (the same host work at every shape) varied by
-more than 2x across the signatures of one run. They only break ties: backends within
-``GPU_TIE`` (2%) of each other's GPU time (e.g. SDPA's own dispatch and the cuDNN backend it
-dispatches to, forced) go leanest host first.
+gaps do not count as GPU time. The backends take turns in ``ROUNDS`` rounds (``_measure``): a slow
+spell of the host lands on one turn of several backends, not on every call of one. The ranking
+(``rank_timings``): on a CPU by time per call; on a GPU by GPU time, which is what the choice
+changes wherever the host runs ahead of the GPU (a GPU-bound model around the call, a CUDA graph).
+Host time decides only where it is far out of line: a backend whose issue time exceeds both its
+GPU time and ``HOST_SLACK`` (2x) times the leanest backend's goes after the others. Smaller host
+differences are not trusted: on the H100 machine of the scaling study, SDPA's issue time (the same
+host work at every shape) varied by more than 2x across the signatures of one run. Ties (within
+``TIE``, 2%, of each other's time: GPU time on a GPU, time per call on a CPU; e.g. SDPA's own
+dispatch and the backend it dispatches to, forced) go first to a backend that calls its kernel
+without a context manager, then (on a GPU) leanest host first.
 Calls then go to the first. A backend that fails on a call falls back to the next one of the
 ranking; the reason is logged once per (backend, reason) and counted in ``get_statistics()``.
 
@@ -35,6 +37,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -110,6 +113,7 @@ class Backend:
     name: str
     run: Run
     why_not: Callable[[Signature], str | None]
+    wrapped: bool = False  # its call enters a context manager (a forced SDPA backend): more host time per call
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale):
@@ -207,12 +211,12 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("flash_attn", _flash_attn, _needs(cuda=True, half=True, masks=("none", "causal"), max_head_dim=256,
                                               provider="flash_attn", equal_lengths=True)),
     Backend("sdpa_flash", _sdpa_forced("FLASH_ATTENTION"), _needs(masks=("none", "causal"), max_head_dim=256,
-                                                                  half_on_cuda=True)),
+                                                                  half_on_cuda=True), wrapped=True),
     Backend("sdpa_cudnn", _sdpa_forced("CUDNN_ATTENTION"), _needs(cuda=True, half=True, masks=("none", "causal"),
-                                                                  max_head_dim=128)),
-    Backend("sdpa_efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _needs(cuda=True)),
+                                                                  max_head_dim=128), wrapped=True),
+    Backend("sdpa_efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _needs(cuda=True), wrapped=True),
     Backend("sdpa", _sdpa, _needs()),
-    Backend("sdpa_math", _sdpa_forced("MATH"), _needs()),
+    Backend("sdpa_math", _sdpa_forced("MATH"), _needs(), wrapped=True),
     Backend("flex", _flex, _needs(cuda=True, masks=("none", "causal"), provider="flex")),
     Backend("xformers", _xformers, _needs(cuda=True, masks=("none", "causal"), provider="xformers_cutlass")),
     Backend("chunked", _chunked, _needs()),
@@ -222,11 +226,19 @@ FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xform
 
 
 HOST_SLACK = 2.0  # a GPU backend is host-heavy when its issue time exceeds its GPU time and this x the leanest's
-# GPU times within 2% are a tie, broken by host time: SDPA's own dispatch and forced cuDNN run the same
-# kernel (H100 scaling run at code 1a538248: their GPU times within 1.5% at all 18 signatures), and
-# forcing a backend costs a context manager on the host every call
-GPU_TIE = 0.02
-METHOD = 4  # how rankings are measured; a cache written by another method is not trusted
+# Times within 2% are a tie (GPU time on a GPU, time per call on a CPU): SDPA's own dispatch and the
+# backend it dispatches to, forced, run the same kernel (H100 scaling run at code 1a538248: SDPA's and
+# forced cuDNN's GPU times within 1.5% at all 18 signatures), and forcing costs a context manager on the
+# host every call, which the manager's few calls do not resolve: a tie goes first to the backend without
+# one. On the CPU (scaling run at code 4622cc24) forced flash measured 0.554 ms, SDPA 0.557 ms at B=1
+# S=256, and the module through forced flash then took 1.074x the direct SDPA call per round (entering
+# the context alone takes some 8 us on that CPU); on the H100 (run at code ea179147, the turns already
+# interleaved) forced cuDNN's host time came out 0.255 ms, SDPA's 0.274 ms at B=4 S=1024 forward and
+# backward, and the module through forced cuDNN took 1.091x the direct SDPA call per round
+TIE = 0.02
+WRAPPED = frozenset(b.name for b in BACKENDS.values() if b.wrapped)
+ROUNDS = 3  # the backends' turns per signature, interleaved
+METHOD = 5  # how rankings are measured; a cache written by another method is not trusted
 
 
 @dataclass(frozen=True)
@@ -237,11 +249,17 @@ class Timing:
     gpu_ms: float | None  # GPU time of the call's work (None on a CPU)
 
 
-def rank_timings(times: dict[str, Timing], host_slack: float = HOST_SLACK, gpu_tie: float = GPU_TIE) -> list[str]:
-    """Backends fastest first: on a CPU by time per call; on a GPU by GPU time, a tie (within
-    ``gpu_tie``) broken by host time, host-heavy backends last."""
+def rank_timings(times: dict[str, Timing], host_slack: float = HOST_SLACK, tie: float = TIE,
+                 wrapped: frozenset[str] = WRAPPED) -> list[str]:
+    """Backends fastest first: on a CPU by time per call; on a GPU by GPU time, host-heavy backends last.
+    A tie (within ``tie``) goes first to the backends not in ``wrapped``, then (on a GPU) by host time."""
     if any(t.gpu_ms is None for t in times.values()):
-        return sorted(times, key=lambda n: times[n].host_ms)
+        rest, out = sorted(times, key=lambda n: times[n].host_ms), []
+        while rest:
+            tied = [n for n in rest if times[n].host_ms <= (1 + tie) * times[rest[0]].host_ms]
+            out += sorted(tied, key=lambda n: n in wrapped)  # stable: by time within each kind
+            rest = rest[len(tied):]
+        return out
     lean = min(t.host_ms for t in times.values())
 
     def heavy(n: str) -> bool:
@@ -251,8 +269,8 @@ def rank_timings(times: dict[str, Timing], host_slack: float = HOST_SLACK, gpu_t
     out: list[str] = []
     while rest:  # the next backend, and those tied with it on GPU time, leanest host first
         head = rest[0]
-        tied = [n for n in rest if heavy(n) == heavy(head) and times[n].gpu_ms <= (1 + gpu_tie) * times[head].gpu_ms]
-        out += sorted(tied, key=lambda n: times[n].host_ms)
+        tied = [n for n in rest if heavy(n) == heavy(head) and times[n].gpu_ms <= (1 + tie) * times[head].gpu_ms]
+        out += sorted(tied, key=lambda n: (n in wrapped, times[n].host_ms))
         rest = [n for n in rest if n not in tied]
     return out
 
@@ -459,15 +477,27 @@ class AttentionKernelManager:
         return [b for b in ranked if b not in self._disabled] if self._disabled else ranked
 
     def _measure(self, sig, q, k, v, attn_mask, is_causal, scale) -> list[str]:
-        times: dict[str, Timing] = {}
-        for name, why in self.candidates(sig):
-            if why is not None:
-                continue
-            call = _workload(BACKENDS[name].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
-            try:
-                times[name] = _timed(call, q.device, self.warmup, self.repeats)
-            except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
-                self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
+        """Every candidate timed in ``ROUNDS`` rounds, one turn each per round, the order rotated: host time
+        the fastest of all its calls, GPU time the median of its turns. One backend after another, a slow
+        spell of the host made all of one backend's calls slow (H100 scaling run at code 4622cc24, B=1 S=2048
+        forward and backward: SDPA's issue time 2.52 ms, 0.2-0.3 ms at the signatures around it, so it went
+        last as host-heavy and the module called forced cuDNN, the same kernel behind a context manager)."""
+        calls = {name: _workload(BACKENDS[name].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
+                 for name, why in self.candidates(sig) if why is None}
+        turns: dict[str, list[Timing]] = {name: [] for name in calls}
+        names = list(calls)
+        for r in range(ROUNDS):
+            first = r % len(names) if names else 0
+            for name in names[first:] + names[:first]:
+                if name not in turns:
+                    continue
+                try:
+                    turns[name].append(_timed(calls[name], q.device, self.warmup if r == 0 else 0, self.repeats))
+                except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
+                    self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
+                    del turns[name]
+        times = {name: Timing(min(t.host_ms for t in ts), None if ts[0].gpu_ms is None
+                              else statistics.median(t.gpu_ms for t in ts)) for name, ts in turns.items()}
         if not times:
             raise RuntimeError(f"no attention backend can run {sig}: " + "; ".join(
                 f"{n}: {w}" for n, w in self.candidates(sig) if w))

@@ -18,7 +18,8 @@ import yaml  # noqa: E402
 
 from adaattn.attention.providers import PROVIDERS  # noqa: E402
 
-VERDICTS = ("holds", "does not hold", "not measurable here", "not measured yet")
+# "inconclusive": measured, but the measurement's confidence interval leaves the claim on both sides
+VERDICTS = ("holds", "does not hold", "inconclusive", "not measurable here", "not measured yet")
 
 # Fixed provider order and colours across every figure.
 PROVIDER_ORDER = list(PROVIDERS)
