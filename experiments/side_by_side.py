@@ -13,7 +13,7 @@ drained first, one call that is not counted (its host time runs on an idle GPU),
 ``BURST`` - 1 calls back to back between two CUDA events, their mean the sample: a steady stream
 of calls, as a model's loop makes them, whose time is the host's where the call is host-bound
 and the GPU's where it is GPU-bound. A goal's ratio is best taken round by round
-(``paired_ratios``): both turns of a round see the same host, so what drifts between rounds cancels.
+(``round_ratios``): both turns of a round see the same host, so what drifts between rounds cancels.
 Its median over the rounds comes with a distribution-free 95% confidence interval (``median_ci``):
 at a host-bound shape the rounds' ratios spread by more than the 3% a goal is about (p20-p80
 0.98-1.35 over 20 rounds at B=1 S=2048 forward and backward, H100 scaling run at code 4622cc24),
@@ -143,11 +143,6 @@ def round_ratios(test: Sequence[float], other: Sequence[float]) -> list[float]:
     return [t / o for t, o in zip(test, other, strict=True)]
 
 
-def paired_ratios(test: Sequence[float], other: Sequence[float]) -> Quantiles:
-    """Quantiles over rounds of ``round_ratios``."""
-    return quantiles(round_ratios(test, other))
-
-
 def median_ci(samples: Sequence[float], level: float = CI_LEVEL) -> tuple[float, float]:
     """A confidence interval of the median of ``samples`` that assumes nothing of their distribution (only
     that they are independent draws): the order statistics x_(l) and x_(n+1-l), l the largest with
@@ -178,7 +173,7 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
     Then as many rounds as fit ``budget_ms``, within [min_rounds, max_rounds]. A provider whose
     workload fails to build or run gets an error row; the others still run. ``paired`` (one of
     ``keep``): also a ``paired_ratio`` row per other timed provider, ``paired``'s time over that
-    provider's, round by round (``paired_ratios``), and its median's ``CI_LEVEL`` confidence bounds
+    provider's, round by round (``round_ratios``), and its median's ``CI_LEVEL`` confidence bounds
     (``paired_ratio_ci_low`` and ``paired_ratio_ci_high`` rows: ``median_ci``)."""
     if paired is not None and paired not in keep:
         raise ValueError(f"paired provider {paired!r} must be one of keep: {', '.join(keep)}")

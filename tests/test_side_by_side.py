@@ -13,7 +13,7 @@ import torch
 
 from adaattn.bench.harness import Workload
 from adaattn.bench.timing import quantiles
-from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_samples_ms, median_ci, paired_ratios,
+from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_samples_ms, median_ci, round_ratios,
                                               shuffled_rounds, side_by_side_rows)
 
 
@@ -75,7 +75,7 @@ def test_slow_providers_are_pruned_unless_kept_and_failures_are_rows():
     assert "3 rounds" in by["fast"]["unit"]  # the budget (20 ms) fits fewer rounds than the minimum
 
 
-def test_paired_ratios_cancel_a_drift_between_rounds():
+def test_round_ratios_cancel_a_drift_between_rounds():
     """The host slows down and speeds up from round to round (1x-4x): each provider's own times spread
     with it, their per-round ratio does not."""
     n = [0]
@@ -90,10 +90,10 @@ def test_paired_ratios_cancel_a_drift_between_rounds():
     a, b = interleaved_samples_ms([call(3.0), call(2.0)], "cpu", rounds=12)
     assert len(a) == len(b) == 12
     spread = max(a) / min(a)
-    r = paired_ratios(a, b)
+    r = quantiles(round_ratios(a, b))
     assert spread > 3 and 1.3 < r.p20 <= r.p50 <= r.p80 < 1.7 and r.p80 / r.p20 < 1.15
     with pytest.raises(ValueError, match="one sample of each per round"):
-        paired_ratios(a, b[:-1])
+        round_ratios(a, b[:-1])
 
 
 def test_paired_rows_name_the_other_provider_and_need_a_kept_provider():

@@ -252,24 +252,21 @@ class Timing:
 def rank_timings(times: dict[str, Timing], host_slack: float = HOST_SLACK, tie: float = TIE,
                  wrapped: frozenset[str] = WRAPPED) -> list[str]:
     """Backends fastest first: on a CPU by time per call; on a GPU by GPU time, host-heavy backends last.
-    A tie (within ``tie``) goes first to the backends not in ``wrapped``, then (on a GPU) by host time."""
-    if any(t.gpu_ms is None for t in times.values()):
-        rest, out = sorted(times, key=lambda n: times[n].host_ms), []
-        while rest:
-            tied = [n for n in rest if times[n].host_ms <= (1 + tie) * times[rest[0]].host_ms]
-            out += sorted(tied, key=lambda n: n in wrapped)  # stable: by time within each kind
-            rest = rest[len(tied):]
-        return out
+    A tie (within ``tie``) goes first to the backends not in ``wrapped``, then to the leaner host."""
+    cpu = any(t.gpu_ms is None for t in times.values())
     lean = min(t.host_ms for t in times.values())
 
-    def heavy(n: str) -> bool:
-        return times[n].host_ms > max(times[n].gpu_ms, host_slack * lean)
+    def time_of(n: str) -> float:  # what the ranking is by
+        return times[n].host_ms if cpu else times[n].gpu_ms
 
-    rest = sorted(times, key=lambda n: (heavy(n), times[n].gpu_ms, times[n].host_ms))
+    def heavy(n: str) -> bool:
+        return not cpu and times[n].host_ms > max(times[n].gpu_ms, host_slack * lean)
+
+    rest = sorted(times, key=lambda n: (heavy(n), time_of(n), times[n].host_ms))
     out: list[str] = []
-    while rest:  # the next backend, and those tied with it on GPU time, leanest host first
+    while rest:  # the next backend and those tied with it
         head = rest[0]
-        tied = [n for n in rest if heavy(n) == heavy(head) and times[n].gpu_ms <= (1 + tie) * times[head].gpu_ms]
+        tied = [n for n in rest if heavy(n) == heavy(head) and time_of(n) <= (1 + tie) * time_of(head)]
         out += sorted(tied, key=lambda n: (n in wrapped, times[n].host_ms))
         rest = [n for n in rest if n not in tied]
     return out
