@@ -298,3 +298,48 @@ def test_changing_a_policy_setting_drops_the_plans():
     assert stats["low_rank_skipped"] == {ada_mod.MASKED: 2}
     ada.eval()  # not a policy setting: the plans stay
     assert len(ada._plans) == 2
+
+
+def test_hooks_compile_and_tracing_take_nn_module_call(monkeypatch):
+    """``AdaAttention.__call__`` skips ``nn.Module.__call__`` only when that would just call ``forward``:
+    module and global hooks still run and may change the inputs and output, a compiled module runs its
+    compiled call, a ``torch.jit.trace`` goes through ``nn.Module.__call__``."""
+    ada, x = _module(rank_mode="full"), torch.randn(2, 6, E)
+    want = ada(x, x, x)[0].detach()
+    module_calls = []
+    real_call = nn.Module.__call__
+    monkeypatch.setattr(nn.Module, "__call__", lambda self, *a, **k: module_calls.append(1) or real_call(self, *a, **k))
+    torch.testing.assert_close(ada(x, x, x)[0], want)
+    assert not module_calls  # nothing to do for nn.Module.__call__: forward directly
+
+    seen = []
+    handles = [ada.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 0, *args[1:]), kwargs),
+                                             with_kwargs=True),
+               ada.register_forward_hook(lambda m, args, out: (out[0] + 1, out[1]))]
+    got = ada(x, x, x, is_causal=False)[0]
+    q_zero = torch.zeros_like(x)
+    torch.testing.assert_close(got, ada.forward(q_zero, x, x)[0] + 1)
+    assert len(module_calls) == 1
+    for h in handles:
+        h.remove()
+    h = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append(type(m).__name__))
+    try:
+        ada(x, x, x)
+    finally:
+        h.remove()
+    assert "AdaAttention" in seen and len(module_calls) == 2
+
+    xg = x.clone().requires_grad_()
+    grads = []
+    h = ada.register_full_backward_hook(lambda m, gin, gout: grads.append(gout[0]))
+    ada(xg, xg, xg)[0].sum().backward()
+    h.remove()
+    assert len(grads) == 1 and len(module_calls) == 3
+
+    monkeypatch.setattr(ada, "_compiled_call_impl", lambda *a, **k: ("compiled", a, k))
+    assert ada(x, x, x, is_causal=True) == ("compiled", (x, x, x), {"is_causal": True})
+    monkeypatch.setattr(ada, "_compiled_call_impl", None)
+
+    monkeypatch.setattr(ada_mod, "_tracing_state", lambda: object())  # as under torch.jit.trace
+    torch.testing.assert_close(ada(x, x, x)[0], want)
+    assert len(module_calls) == 5  # the compiled call and the traced one
