@@ -303,12 +303,13 @@ def test_changing_a_policy_setting_drops_the_plans():
 def test_hooks_compile_and_tracing_take_nn_module_call(monkeypatch):
     """``AdaAttention.__call__`` skips ``nn.Module.__call__`` only when that would just call ``forward``:
     module and global hooks still run and may change the inputs and output, a compiled module runs its
-    compiled call, a ``torch.jit.trace`` goes through ``nn.Module.__call__``."""
+    compiled call, a ``torch.jit.trace`` goes through ``nn.Module.__call__``, and so does a call while
+    ``torch.fx`` has patched it (a tracer that keeps the module as a leaf sees one call of it)."""
     ada, x = _module(rank_mode="full"), torch.randn(2, 6, E)
     want = ada(x, x, x)[0].detach()
     module_calls = []
-    real_call = nn.Module.__call__
-    monkeypatch.setattr(nn.Module, "__call__", lambda self, *a, **k: module_calls.append(1) or real_call(self, *a, **k))
+    real_impl = nn.Module._call_impl  # what nn.Module.__call__ runs for a module not compiled
+    monkeypatch.setattr(nn.Module, "_call_impl", lambda self, *a, **k: module_calls.append(1) or real_impl(self, *a, **k))
     torch.testing.assert_close(ada(x, x, x)[0], want)
     assert not module_calls  # nothing to do for nn.Module.__call__: forward directly
 
@@ -340,6 +341,22 @@ def test_hooks_compile_and_tracing_take_nn_module_call(monkeypatch):
     assert ada(x, x, x, is_causal=True) == ("compiled", (x, x, x), {"is_causal": True})
     monkeypatch.setattr(ada, "_compiled_call_impl", None)
 
-    monkeypatch.setattr(ada_mod, "_tracing_state", lambda: object())  # as under torch.jit.trace
-    torch.testing.assert_close(ada(x, x, x)[0], want)
-    assert len(module_calls) == 5  # the compiled call and the traced one
+    with monkeypatch.context() as m:
+        m.setattr(ada_mod, "_tracing_state", lambda: object())  # as under torch.jit.trace
+        torch.testing.assert_close(ada(x, x, x)[0], want)
+    assert len(module_calls) == 4
+
+    class Leaf(torch.fx.Tracer):
+        def is_leaf_module(self, m, qualname):
+            return isinstance(m, AdaAttention) or super().is_leaf_module(m, qualname)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = ada
+
+        def forward(self, x):
+            return self.attn(x, x, x)[0] + x
+
+    graph = Leaf().trace(Block())
+    assert [n.target for n in graph.nodes if n.op == "call_module"] == ["attn"]

@@ -42,6 +42,7 @@ ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file for the shared manager's measure
 _shared: AttentionKernelManager | None = None
 _grad_enabled = torch.is_grad_enabled  # read on every call
 _tracing_state = torch._C._get_tracing_state  # torch.jit.trace in progress (nn.Module.__call__ reads it too)
+_module_call = nn.Module.__call__  # as torch defines it (torch.fx's tracer patches it to see module calls)
 
 
 MAX_PLANS = 256  # replay plans per module, one per kind of call; the oldest goes first
@@ -294,12 +295,13 @@ class AdaAttention(nn.Module):
 
     def __call__(self, *args, **kwargs):
         """``forward``, as ``nn.Module.__call__`` calls it when it has nothing else to do: no hook on this
-        module and no global one, not compiled (``compile()``), no ``torch.jit.trace`` in progress; otherwise
-        ``nn.Module.__call__`` itself. Its two dispatch frames (``_wrapped_call_impl``, ``_call_impl``), each
-        passing the arguments on, cost 0.4 us of host time per call on the development CPU (scratch timing,
-        torch 2.13), over 1% of a host-bound call: the replay's own Python (the plan's key, lookup and checks)
-        costs about as much again."""
-        if self._compiled_call_impl is None and not (
+        module and no global one, not compiled (``compile()``), no ``torch.jit.trace`` in progress, and
+        ``nn.Module.__call__`` not patched (``torch.fx.symbolic_trace`` patches it to record module calls);
+        otherwise ``nn.Module.__call__`` itself. Its two dispatch frames (``_wrapped_call_impl``,
+        ``_call_impl``), each passing the arguments on, cost 0.4 us of host time per call on the development
+        CPU (scratch timing, torch 2.13), over 1% of a host-bound call: the replay's own Python (the plan's
+        key, lookup and checks) costs about as much again."""
+        if nn.Module.__call__ is _module_call and self._compiled_call_impl is None and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
                 or _nn_module._global_forward_pre_hooks or _nn_module._global_forward_hooks
                 or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks) \
