@@ -17,6 +17,7 @@ from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import (
     BACKENDS,
     ROUNDS,
+    SDP_FLAGS,
     WRAPPED,
     AttentionKernelManager,
     Backend,
@@ -194,15 +195,51 @@ def test_ranking_by_gpu_time_with_host_heavy_backends_last():
     assert rank_timings(same_kernel, wrapped=frozenset()) == ["sdpa_cudnn", "sdpa", "sdpa_flash"]
 
 
-def test_cpu_tie_goes_to_the_backend_without_a_context_manager():
+def test_cpu_tie_goes_to_the_backend_not_forced():
     """On a CPU, times per call within 2% are a tie: SDPA's own choice before a forced SDPA backend (the
-    same kernel behind a context manager), each kind in order of time; 3% apart is no tie."""
+    same kernel with SDPA's flags set around it), each kind in order of time; 3% apart is no tie."""
     cpu = {"sdpa_flash": Timing(0.554, None), "sdpa": Timing(0.557, None), "sdpa_math": Timing(0.556, None),
            "chunked": Timing(0.570, None), "math": Timing(0.58, None)}
     assert rank_timings(cpu) == ["sdpa", "sdpa_flash", "sdpa_math", "chunked", "math"]
     assert rank_timings(cpu, tie=0.0) == ["sdpa_flash", "sdpa_math", "sdpa", "chunked", "math"]
     assert rank_timings(cpu, wrapped=frozenset()) == ["sdpa_flash", "sdpa_math", "sdpa", "chunked", "math"]
     assert {"sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"} <= WRAPPED and "sdpa" not in WRAPPED
+
+
+def test_forced_sdpa_backend_runs_that_backend_and_restores_the_flags():
+    """A forced SDPA backend runs SDPA with only that backend enabled: the kernel that ran is that
+    backend's, a backend that cannot take the inputs raises instead of falling back, and SDPA's flags are
+    as the caller left them afterwards (after an error too, a flag the caller turned off included). Under
+    torch.compile it enters ``sdpa_kernel``, which dynamo traces into one graph."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v)
+
+    def ops_of(name):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = BACKENDS[name].run(q, k, v, None, False, None)
+        torch.testing.assert_close(out, ref)
+        return {e.name for e in prof.events()}
+
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops_of("sdpa_flash")
+    math_ops = ops_of("sdpa_math")
+    assert "aten::_scaled_dot_product_attention_math" in math_ops
+    assert not any("flash" in n for n in math_ops)
+    get = {n: getattr(torch._C, f"_get_{n}_sdp_enabled") for n in SDP_FLAGS}
+    before = {n: g() for n, g in get.items()}
+    torch.backends.cuda.enable_math_sdp(False)  # the caller's own setting
+    try:
+        with pytest.raises(RuntimeError):  # no CPU kernel: SDPA must not fall back to flash or math
+            BACKENDS["sdpa_efficient"].run(q, k, v, None, False, None)
+        assert {n: g() for n, g in get.items()} == {**before, "math": False}
+        torch.testing.assert_close(BACKENDS["sdpa_flash"].run(q, k, v, None, False, None), ref)
+        assert {n: g() for n, g in get.items()} == {**before, "math": False}
+    finally:
+        torch.backends.cuda.enable_math_sdp(before["math"])
+    compiled = torch.compile(lambda q, k, v: BACKENDS["sdpa_flash"].run(q, k, v, None, False, None),
+                             backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), ref)
+    assert {n: g() for n, g in get.items()} == before
 
 
 def test_measurement_rounds_keep_a_slow_spell_off_one_backend(monkeypatch):

@@ -18,8 +18,8 @@ GPU time and ``HOST_SLACK`` (2x) times the leanest backend's goes after the othe
 differences are not trusted: on the H100 machine of the scaling study, SDPA's issue time (the same
 host work at every shape) varied by more than 2x across the signatures of one run. Ties (within
 ``TIE``, 2%, of each other's time: GPU time on a GPU, time per call on a CPU; e.g. SDPA's own
-dispatch and the backend it dispatches to, forced) go first to a backend that calls its kernel
-without a context manager, then (on a GPU) leanest host first.
+dispatch and the backend it dispatches to, forced) go first to a backend that calls SDPA without
+forcing one of its backends (``_sdpa_forced``), then (on a GPU) leanest host first.
 Calls then go to the first. A backend that fails on a call falls back to the next one of the
 ranking; the reason is logged once per (backend, reason) and counted in ``get_statistics()``.
 
@@ -113,7 +113,7 @@ class Backend:
     name: str
     run: Run
     why_not: Callable[[Signature], str | None]
-    wrapped: bool = False  # its call enters a context manager (a forced SDPA backend): more host time per call
+    wrapped: bool = False  # its call sets SDPA's backend flags around SDPA (a forced SDPA backend): more host time
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale):
@@ -121,14 +121,44 @@ def _sdpa(q, k, v, attn_mask, is_causal, scale):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _sdpa_forced(backend: str) -> Run:
-    def run(q, k, v, attn_mask, is_causal, scale):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+# SDPA's backend flags, as ``sdpa_kernel`` names them (torch._C._get_<name>_sdp_enabled, _set_sdp_use_<name>)
+SDP_FLAGS = tuple(n for n in ("flash", "mem_efficient", "cudnn", "math", "overrideable")
+                  if hasattr(torch._C, f"_get_{n}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{n}"))
+_FLAG_OF = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "mem_efficient", "CUDNN_ATTENTION": "cudnn",
+            "MATH": "math"}
 
-        with sdpa_kernel([getattr(SDPBackend, backend)]):
+
+def _sdpa_forced(backend: str) -> Run:
+    """SDPA with only ``backend`` enabled, as under ``sdpa_kernel([backend])`` (SDPA raises rather than
+    fall back to another backend): the call sets SDPA's backend flags that differ and restores them
+    after. ``sdpa_kernel`` itself, a context manager that reads and writes every flag through enum and
+    string lookups, took 40 us of host time per enter and exit on the H100 host of the scaling study
+    (torch 2.11) and 11.6 us on the development CPU (torch 2.13), over a host-bound call's whole 3%
+    margin; setting the flags, 0.75 us there (scratch timings). Like ``sdpa_kernel`` the flags are
+    global: another thread's SDPA call made meanwhile sees them. Under torch.compile the call enters
+    ``sdpa_kernel``, which dynamo traces."""
+    flags = tuple((getattr(torch._C, f"_get_{n}_sdp_enabled"), getattr(torch._C, f"_set_sdp_use_{n}"),
+                   n == _FLAG_OF[backend]) for n in SDP_FLAGS)
+
+    def run(q, k, v, attn_mask, is_causal, scale):
+        if _compiling():
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([getattr(SDPBackend, backend)]):
+                return _sdpa(q, k, v, attn_mask, is_causal, scale)
+        changed = [(put, on) for get, put, on in flags if get() is not on]
+        for put, on in changed:
+            put(on)
+        try:
             return _sdpa(q, k, v, attn_mask, is_causal, scale)
+        finally:
+            for put, on in changed:
+                put(not on)
 
     return run
+
+
+_compiling = torch.compiler.is_compiling
 
 
 def attention_probs(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool,
@@ -228,17 +258,18 @@ FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xform
 HOST_SLACK = 2.0  # a GPU backend is host-heavy when its issue time exceeds its GPU time and this x the leanest's
 # Times within 2% are a tie (GPU time on a GPU, time per call on a CPU): SDPA's own dispatch and the
 # backend it dispatches to, forced, run the same kernel (H100 scaling run at code 1a538248: SDPA's and
-# forced cuDNN's GPU times within 1.5% at all 18 signatures), and forcing costs a context manager on the
-# host every call, which the manager's few calls do not resolve: a tie goes first to the backend without
-# one. On the CPU (scaling run at code 4622cc24) forced flash measured 0.554 ms, SDPA 0.557 ms at B=1
-# S=256, and the module through forced flash then took 1.074x the direct SDPA call per round (entering
-# the context alone takes some 8 us on that CPU); on the H100 (run at code ea179147, the turns already
-# interleaved) forced cuDNN's host time came out 0.255 ms, SDPA's 0.274 ms at B=4 S=1024 forward and
-# backward, and the module through forced cuDNN took 1.091x the direct SDPA call per round
+# forced cuDNN's GPU times within 1.5% at all 18 signatures), and forcing costs host time every call,
+# which the manager's few calls do not resolve: a tie goes first to the backend not forced. When forcing
+# still entered ``sdpa_kernel`` (see ``_sdpa_forced``): on the CPU (scaling run at code
+# 4622cc24) forced flash measured 0.554 ms, SDPA 0.557 ms at B=1 S=256, and the module through forced
+# flash then took 1.074x the direct SDPA call per round; on the H100 (run at code ea179147) forced
+# cuDNN's host time came out 0.255 ms, SDPA's 0.274 ms at B=4 S=1024 forward and backward, and the
+# module through forced cuDNN took 1.091x the direct SDPA call per round. Setting the flags costs less,
+# but still more than not forcing
 TIE = 0.02
 WRAPPED = frozenset(b.name for b in BACKENDS.values() if b.wrapped)
 ROUNDS = 3  # the backends' turns per signature, interleaved
-METHOD = 5  # how rankings are measured; a cache written by another method is not trusted
+METHOD = 6  # how rankings are measured (6: forced SDPA backends set the flags, not sdpa_kernel); a cache written by another method is not trusted
 
 
 @dataclass(frozen=True)
