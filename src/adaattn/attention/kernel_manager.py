@@ -132,9 +132,9 @@ def _sdpa_forced(backend: str) -> Run:
     """SDPA with only ``backend`` enabled, as under ``sdpa_kernel([backend])`` (SDPA raises rather than
     fall back to another backend): the call sets SDPA's backend flags that differ and restores them
     after. ``sdpa_kernel`` itself, a context manager that reads and writes every flag through enum and
-    string lookups, took 40 us of host time per enter and exit on the H100 host of the scaling study
-    (torch 2.11) and 11.6 us on the development CPU (torch 2.13), over a host-bound call's whole 3%
-    margin; setting the flags, 0.75 us there (scratch timings). Like ``sdpa_kernel`` the flags are
+    string lookups, took 40 us of host time per enter and exit on a lent H100's host (torch 2.11) and
+    10.3 us on the development CPU (torch 2.13), over a host-bound call's whole 3% margin; setting the
+    flags, 0.75 us there (scratch timings). Like ``sdpa_kernel`` the flags are
     global: another thread's SDPA call made meanwhile sees them. Under torch.compile the call enters
     ``sdpa_kernel``, which dynamo traces."""
     flags = tuple((getattr(torch._C, f"_get_{n}_sdp_enabled"), getattr(torch._C, f"_set_sdp_use_{n}"),
