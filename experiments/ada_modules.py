@@ -83,10 +83,14 @@ def backend_unavailable(backend: str, device: str) -> str | None:
 
 
 def _timed_name(backend: str, t: Timing | None) -> str:
+    """``backend (time per call / host / GPU ms)``, as the manager timed it."""
     if t is None:
         return backend
     gpu = "-" if t.gpu_ms is None else f"{t.gpu_ms:.3g}"
-    return f"{backend} ({t.host_ms:.3g} / {gpu})"
+    return f"{backend} ({t.call_ms:.3g} / {t.host_ms:.3g} / {gpu})"
+
+
+_TIMED = {"call": "module's call", "op": "attention op alone"}  # what a manager's ranking timed
 
 
 class _Direct(nn.Module):
@@ -262,7 +266,8 @@ class ModuleStudy:
                 times = manager.timings.get(key, {})
                 rows.append({"table_id": self.section_id, "case_id": f"manager/{key}", "provider": "adaattn",
                              "mode": "", "metric": "manager_ranking", "value": len(ranking),
-                             "unit": "backends ranked (ms per call: host / GPU, as the manager timed them)",
+                             "unit": f"backends ranked by {manager.objective} (ms: time per call / host / GPU, of the "
+                                     f"{_TIMED[manager.timed.get(key, 'op')]}, as the manager timed them)",
                              "status": "ok", "reason": "", "kernel": " > ".join(_timed_name(b, times.get(b))
                                                                                 for b in ranking)})
             for (backend, reason), n in manager.fallbacks.items():

@@ -170,36 +170,63 @@ def test_manager_measures_once_persists_and_reloads(tmp_path, monkeypatch):
     assert km2.timings == km.timings and set(km2.timings[next(iter(saved))]) == {"chunked", "math", "sdpa"}
     # rankings measured under another torch version or by another method are not trusted
     data = json.loads(path.read_text())
-    for stale in ({"torch": "0.0"}, {"method": None}):
+    for stale in ({"torch": "0.0"}, {"method": None}, {"objective": "gpu"}):
         path.write_text(json.dumps({**data, **stale}))
         assert AttentionKernelManager(backends=["sdpa", "math", "chunked"], cache_path=path).rankings == {}
+    # nor are those of the other objective
+    path.write_text(json.dumps(data))
+    assert AttentionKernelManager(backends=["sdpa", "math", "chunked"], cache_path=path, objective="gpu").rankings == {}
+
+
+def _t(host: float, gpu: float | None, call: float | None = None) -> Timing:
+    return Timing(host, gpu, host if call is None else call)
 
 
 def test_ranking_by_gpu_time_with_host_heavy_backends_last():
-    cpu = {"a": Timing(2.0, None), "b": Timing(1.0, None), "c": Timing(1.04, None)}
-    assert rank_timings(cpu) == ["b", "c", "a"]
+    cpu = {"a": _t(2.0, None), "b": _t(1.0, None), "c": _t(1.04, None)}
+    assert rank_timings(cpu, "gpu") == rank_timings(cpu) == ["b", "c", "a"]  # no GPU time: time per call
     # a, b, c: host-bound, host times within 2x of the leanest (e's), ranked by GPU time like the GPU-bound e;
     # f: the least GPU time, but an issue time over its GPU time and over twice the leanest
-    gpu = {"a": Timing(0.20, 0.05), "b": Timing(0.22, 0.02), "c": Timing(0.15, 0.03), "e": Timing(0.12, 0.5),
-           "f": Timing(0.5, 0.001)}
-    assert rank_timings(gpu) == ["b", "c", "a", "e", "f"]
-    assert rank_timings(gpu, host_slack=5.0) == ["f", "b", "c", "a", "e"]
+    gpu = {"a": _t(0.20, 0.05), "b": _t(0.22, 0.02), "c": _t(0.15, 0.03), "e": _t(0.12, 0.5),
+           "f": _t(0.5, 0.001)}
+    assert rank_timings(gpu, "gpu") == ["b", "c", "a", "e", "f"]
+    assert rank_timings(gpu, "gpu", host_slack=5.0) == ["f", "b", "c", "a", "e"]
     # GPU times within 2% tie (the same kernel through two dispatch paths): the leaner host goes first;
     # a backend 3% slower on the GPU is no tie, however lean its host
-    tie = {"forced": Timing(0.10, 1.000), "own": Timing(0.05, 1.015), "other": Timing(0.01, 1.03)}
-    assert rank_timings(tie) == ["own", "forced", "other"]
-    assert rank_timings(tie, tie=0.0) == ["forced", "own", "other"]
+    tie = {"forced": _t(0.10, 1.000), "own": _t(0.05, 1.015), "other": _t(0.01, 1.03)}
+    assert rank_timings(tie, "gpu") == ["own", "forced", "other"]
+    assert rank_timings(tie, "gpu", tie=0.0) == ["forced", "own", "other"]
     # a tie goes first to the backend without a context manager, whatever the hosts' noisy times say
-    same_kernel = {"sdpa_cudnn": Timing(0.255, 0.0966), "sdpa": Timing(0.274, 0.0965), "sdpa_flash": Timing(0.2, 0.134)}
-    assert rank_timings(same_kernel) == ["sdpa", "sdpa_cudnn", "sdpa_flash"]
-    assert rank_timings(same_kernel, wrapped=frozenset()) == ["sdpa_cudnn", "sdpa", "sdpa_flash"]
+    same_kernel = {"sdpa_cudnn": _t(0.255, 0.0966), "sdpa": _t(0.274, 0.0965), "sdpa_flash": _t(0.2, 0.134)}
+    assert rank_timings(same_kernel, "gpu") == ["sdpa", "sdpa_cudnn", "sdpa_flash"]
+    assert rank_timings(same_kernel, "gpu", wrapped=frozenset()) == ["sdpa_cudnn", "sdpa", "sdpa_flash"]
+    with pytest.raises(ValueError, match="objective 'wall' is not one of: call, gpu"):
+        rank_timings(gpu, "wall")
+    with pytest.raises(ValueError, match="objective 'wall' is not one of: call, gpu"):
+        AttentionKernelManager(objective="wall")
+
+
+def test_ranking_by_time_per_call():
+    """The default objective ranks by time per call: where the call is host-bound a backend with a slower
+    kernel and a leaner host goes first (the shape of the H100's SDPA vs forced efficient attention inside
+    the module: more GPU time, less host time); where it is GPU-bound, the faster kernel. Times per call
+    within 2% tie: the backend not forced first, then the least GPU time."""
+    host_bound = {"sdpa": _t(0.118, 0.045, 0.119), "sdpa_efficient": _t(0.104, 0.075, 0.105)}
+    assert rank_timings(host_bound) == ["sdpa_efficient", "sdpa"]
+    assert rank_timings(host_bound, "gpu") == ["sdpa", "sdpa_efficient"]
+    gpu_bound = {"sdpa": _t(0.118, 0.300, 0.301), "sdpa_efficient": _t(0.104, 0.900, 0.901)}
+    assert rank_timings(gpu_bound) == rank_timings(gpu_bound, "gpu") == ["sdpa", "sdpa_efficient"]
+    tie = {"sdpa_cudnn": _t(0.10, 0.050, 0.100), "sdpa": _t(0.11, 0.051, 0.101), "sdpa_math": _t(0.09, 0.06, 0.1015),
+           "chunked": _t(0.05, 0.01, 0.103)}
+    assert rank_timings(tie) == ["sdpa", "sdpa_cudnn", "sdpa_math", "chunked"]
+    assert rank_timings(tie, wrapped=frozenset()) == ["sdpa_cudnn", "sdpa", "sdpa_math", "chunked"]
 
 
 def test_cpu_tie_goes_to_the_backend_not_forced():
     """On a CPU, times per call within 2% are a tie: SDPA's own choice before a forced SDPA backend (the
     same kernel with SDPA's flags set around it), each kind in order of time; 3% apart is no tie."""
-    cpu = {"sdpa_flash": Timing(0.554, None), "sdpa": Timing(0.557, None), "sdpa_math": Timing(0.556, None),
-           "chunked": Timing(0.570, None), "math": Timing(0.58, None)}
+    cpu = {"sdpa_flash": _t(0.554, None), "sdpa": _t(0.557, None), "sdpa_math": _t(0.556, None),
+           "chunked": _t(0.570, None), "math": _t(0.58, None)}
     assert rank_timings(cpu) == ["sdpa", "sdpa_flash", "sdpa_math", "chunked", "math"]
     assert rank_timings(cpu, tie=0.0) == ["sdpa_flash", "sdpa_math", "sdpa", "chunked", "math"]
     assert rank_timings(cpu, wrapped=frozenset()) == ["sdpa_flash", "sdpa_math", "sdpa", "chunked", "math"]
@@ -242,22 +269,26 @@ def test_forced_sdpa_backend_runs_that_backend_and_restores_the_flags():
     assert {n: g() for n, g in get.items()} == before
 
 
+def _sleeping(name: str, delay) -> Backend:
+    """A backend that sleeps ``delay()`` seconds, then runs math."""
+    def run(q, k, v, m, c, s):
+        time.sleep(delay())
+        return BACKENDS["math"].run(q, k, v, m, c, s)
+
+    return Backend(name, run, BACKENDS["math"].why_not)
+
+
 def test_measurement_rounds_keep_a_slow_spell_off_one_backend(monkeypatch):
     """The backends take turns in rounds: a slow spell during one backend's first turn (its first calls
     take 15 ms, then 0.5 ms) does not make it look slower than a steady 3 ms backend."""
     seen = {"n": 0}
 
-    def spell(q, k, v, m, c, s):
+    def spell() -> float:
         seen["n"] += 1
-        time.sleep(0.015 if seen["n"] <= 6 else 0.0005)  # the warm-up and the first turn's 5 calls
-        return BACKENDS["math"].run(q, k, v, m, c, s)
+        return 0.015 if seen["n"] <= 6 else 0.0005  # the warm-up and the first turn's 5 calls
 
-    def steady(q, k, v, m, c, s):
-        time.sleep(0.003)
-        return BACKENDS["math"].run(q, k, v, m, c, s)
-
-    monkeypatch.setitem(BACKENDS, "spell", Backend("spell", spell, BACKENDS["math"].why_not))
-    monkeypatch.setitem(BACKENDS, "steady", Backend("steady", steady, BACKENDS["math"].why_not))
+    monkeypatch.setitem(BACKENDS, "spell", _sleeping("spell", spell))
+    monkeypatch.setitem(BACKENDS, "steady", _sleeping("steady", lambda: 0.003))
     km = AttentionKernelManager(backends=["spell", "steady"])
     q, k, v = _qkv()
     with torch.no_grad():
@@ -265,6 +296,27 @@ def test_measurement_rounds_keep_a_slow_spell_off_one_backend(monkeypatch):
     times = km.timings[Signature.of(q, k, "none").key()]
     assert times["spell"].host_ms < 3 < times["steady"].host_ms
     assert seen["n"] == 1 + ROUNDS * km.repeats + 1  # one warm-up, its turns, the call itself
+
+
+def test_measurement_stops_timing_a_backend_that_cannot_come_first(monkeypatch):
+    """After ``CONTENDER_ROUNDS`` rounds a backend more than ``CONTENDER`` times slower than the fastest
+    takes no more turns (its calls are most of a measurement at long sequences); it is still ranked."""
+    from adaattn.attention.kernel_manager import CONTENDER, CONTENDER_ROUNDS
+
+    seen = {"slow": 0}
+
+    def slow() -> float:
+        seen["slow"] += 1
+        return 0.002 * (CONTENDER + 1)
+
+    monkeypatch.setitem(BACKENDS, "slow", _sleeping("slow", slow))
+    monkeypatch.setitem(BACKENDS, "fast", _sleeping("fast", lambda: 0.002))
+    km = AttentionKernelManager(backends=["slow", "fast"])
+    q, k, v = _qkv()
+    with torch.no_grad():
+        assert km(q, k, v)[1] == "fast"
+    assert km.rankings[Signature.of(q, k, "none").key()] == ["fast", "slow"]
+    assert CONTENDER_ROUNDS < ROUNDS and seen["slow"] == 1 + CONTENDER_ROUNDS * km.repeats  # warm-up, its turns
 
 
 def _slow_backward(delay: float) -> Backend:
@@ -305,6 +357,40 @@ def test_training_signature_is_ranked_on_forward_and_backward(monkeypatch):
     assert train["slow_bwd"].host_ms > 30 > train["slow_fwd"].host_ms > 5
     out.sum().backward()  # the measurement left the caller's graph alone
     assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_module_call_is_what_the_manager_times(monkeypatch):
+    """AdaAttention gives the manager its whole call to time: the projections and the output projection
+    count in every backend's time (here the output projection sleeps 4 ms), a training signature is timed
+    on forward and backward without touching the parameters' gradients or the caller's graph, and what
+    was timed is on record. Called alone, the manager times the op."""
+    monkeypatch.setitem(BACKENDS, "slow_bwd", _slow_backward(0.01))
+    km = AttentionKernelManager(backends=["sdpa", "slow_bwd"])
+    ada = AdaAttention(32, 4, kernel_manager=km, precision_mode="fp32", rank_mode="full")
+    out_proj = ada._out_proj
+    projected = {"n": 0}
+
+    def slow_out_proj(*a):
+        projected["n"] += 1
+        time.sleep(0.004)
+        return out_proj(*a)
+
+    monkeypatch.setattr(ada, "_out_proj", slow_out_proj)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    with torch.no_grad():
+        ada(x, x, x)
+    (key,) = km.rankings
+    assert km.timed[key] == "call" and min(t.host_ms for t in km.timings[key].values()) > 4
+    assert projected["n"] == 2 * (1 + ROUNDS * km.repeats) + 1  # two backends' turns, the call itself
+    out, _ = ada(x, x, x)  # a training signature: forward and backward timed, the slow backward last
+    train = next(k for k in km.rankings if k != key)
+    assert km.rankings[train] == ["sdpa", "slow_bwd"] and km.timings[train]["slow_bwd"].host_ms > 14
+    assert x.grad is None and all(p.grad is None for p in ada.parameters())
+    out.sum().backward()
+    assert x.grad is not None and ada.in_proj_weight.grad is not None
+    q, k, v = _qkv()
+    km(q, k, v)
+    assert km.timed[Signature.of(q, k, "none").key()] == "op"
 
 
 def test_unavailable_backend_falls_back_with_its_reason_logged_once(caplog):
@@ -589,3 +675,43 @@ def test_manager_timing_separates_host_from_gpu_time():
     print(alone, gpu_bound, host_bound)
     assert 0.8 * min(alone) < gpu_bound.gpu_ms < 1.2 * max(alone) and gpu_bound.host_ms < 0.5
     assert host_bound.host_ms > 1.9 and host_bound.gpu_ms < 0.2
+    # time per call, back to back: the GPU's where the call is GPU-bound, the host's where it is host-bound
+    assert 0.8 * min(alone) < gpu_bound.call_ms < 1.2 * max(alone) and 1.9 < host_bound.call_ms < 3
+
+
+@pytest.mark.gpu
+def test_module_gpu_work_hides_a_backends_host_time(monkeypatch):
+    """Ranked by time per call of the module's call, a backend whose op spends 0.5 ms on the host goes
+    before one whose op spends 0.3 ms on the GPU when the module around it keeps the GPU busy for 1 ms per
+    call (the host's time hides under it); called alone, the manager ranks them the other way."""
+    from adaattn.attention.kernel_manager import _sleep_cycles_per_ms
+
+    per_ms = _sleep_cycles_per_ms(torch.cuda.current_device())
+
+    def hostly(q, k, v, m, c, s):
+        time.sleep(0.0005)
+        return q.clone()
+
+    def gpuy(q, k, v, m, c, s):
+        torch.cuda._sleep(int(0.3 * per_ms))
+        return q.clone()
+
+    why = BACKENDS["sdpa"].why_not
+    monkeypatch.setitem(BACKENDS, "hostly", Backend("hostly", hostly, why))
+    monkeypatch.setitem(BACKENDS, "gpuy", Backend("gpuy", gpuy, why))
+    km = AttentionKernelManager(backends=["hostly", "gpuy"])
+    q, k, v = (t.cuda() for t in _qkv())
+    assert km(q, k, v)[1] == "gpuy", km.timings
+    ada = AdaAttention(64, 4, kernel_manager=km, precision_mode="fp32", rank_mode="full", device="cuda")
+    out_proj = ada._out_proj
+
+    def busy_out_proj(*a):
+        torch.cuda._sleep(int(per_ms))
+        return out_proj(*a)
+
+    monkeypatch.setattr(ada, "_out_proj", busy_out_proj)
+    x = torch.randn(2, 16, 64, device="cuda")
+    with torch.no_grad():
+        ada(x, x, x)
+    key = next(k for k, what in km.timed.items() if what == "call")
+    assert km.rankings[key] == ["hostly", "gpuy"], km.timings[key]

@@ -14,18 +14,21 @@ Per call: the precision policy (``precision.py``) picks the compute dtype; ``ran
 the exact path or the Nyström low-rank path (``rank.py``; "auto" estimates the rank of the first
 call of each signature, and only unmasked attention of ``min_low_rank_len`` keys or more goes
 low-rank); the exact path goes through the kernel manager (``kernel_manager.py``), which runs
-the fastest backend measured on this machine for the inputs. A later call like an earlier one
+the fastest backend measured on this machine for the inputs (timing this module's whole call with
+each backend: ``_call_of``). A later call like an earlier one
 (same shapes, causal, mode, grad mode and projections' dtype; no mask, no weights) replays those
 decisions (``_Plan``) instead of taking every policy again.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -378,7 +381,8 @@ class AdaAttention(nn.Module):
         else:
             self._ranks["full"] += 1
             if self._through_manager():
-                out, backend = self.manager(qc, kc, vc, mask, causal, scale, sig=sig if qc is q else None)
+                out, backend = self.manager(qc, kc, vc, mask, causal, scale, sig=sig if qc is q else None,
+                                            call=self._call_of(query, key, value, mask, causal, scale, dtype, sig.grad))
             else:
                 out = _sdpa_path(self.dropout if self.training else 0.0)(qc, kc, vc, mask, causal, scale)
         if call is not None:
@@ -396,6 +400,45 @@ class AdaAttention(nn.Module):
         if not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _call_of(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool, scale: float,
+                 dtype: torch.dtype, grad: bool) -> Callable[[Run], Callable[[], object]]:
+        """This call (batch-first inputs) with the op made by a given backend, for the manager to time when it
+        ranks the backends of a new signature (built only then): the projections, the cast to ``dtype``, the
+        op, the output projection; for a training signature also the backward (of a fixed output gradient,
+        into the parameters and inputs that need gradients; nothing accumulates). The op's host time then
+        counts against the module's GPU work: where the module's call is host-bound, a backend with less host
+        time makes it faster though its kernel is slower."""
+        return functools.partial(self._timed_call, query, key, value, mask, causal, scale, dtype, grad)
+
+    def _timed_call(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool, scale: float,
+                    dtype: torch.dtype, grad: bool, run: Run) -> Callable[[], object]:
+        B, L, E = query.shape
+        leaves: dict[int, Tensor] = {}
+        for t in (query, key, value):  # self-attention stays one tensor (one GEMM projects it)
+            leaves.setdefault(id(t), t.detach().requires_grad_(grad and t.requires_grad))
+        x, kx, vx = leaves[id(query)], leaves[id(key)], leaves[id(value)]
+        wrt = [t for t in (*self.parameters(), *leaves.values()) if t.requires_grad] if grad else []
+        grad_out: list[Tensor] = []
+
+        def forward() -> Tensor:
+            q, k, v = self._project(x, kx, vx)
+            if q.dtype != dtype:
+                q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            out = run(q, k, v, mask, causal, scale)
+            return self._out_proj(out if out.dtype == x.dtype else out.to(x.dtype), B, L, E)
+
+        def call() -> object:
+            if not wrt:
+                with torch.no_grad():
+                    return forward()
+            with torch.enable_grad():
+                out = forward()
+                if not grad_out:
+                    grad_out.append(torch.randn_like(out))
+                return torch.autograd.grad(out, wrt, grad_out[0], allow_unused=True)
+
+        return call
 
     def _through_manager(self) -> bool:
         return self.enable_gpu_optimization and not (self.dropout and self.training)  # its backends take no dropout

@@ -4,24 +4,34 @@ For each signature (hardware, dtype, batch, heads, kv heads, head dim, query and
 rounded up to a power of two, mask kind, grad mode) the manager times every backend that can run
 those inputs, once, on the inputs of the first call, and keeps the ranking (in memory and, with a
 ``cache_path``, in a JSON file written atomically, so the next process does not measure again; a
-file written under another torch version or measuring method is ignored). A training signature
+file written under another torch version, measuring method or objective is ignored). A training signature
 (inputs that need gradients) is timed on forward and backward, an inference one on the forward.
 
-What is timed (``_timed``): the host time to issue a call, and on a GPU the GPU time of its work,
+What is timed (``_timed``): the host time to issue a call; on a GPU the GPU time of its work,
 taken with the GPU held by a sleep kernel while the host issues the timed calls, so that host
-gaps do not count as GPU time. The backends take turns in ``ROUNDS`` rounds (``_measure``): a slow
-spell of the host lands on one turn of several backends, not on every call of one. The ranking
-(``rank_timings``): on a CPU by time per call; on a GPU by GPU time, which is what the choice
-changes wherever the host runs ahead of the GPU (a GPU-bound model around the call, a CUDA graph).
-Host time decides only where it is far out of line: a backend whose issue time exceeds both its
-GPU time and ``HOST_SLACK`` (2x) times the leanest backend's goes after the others. Smaller host
-differences are not trusted: on the H100 machine of the scaling study, SDPA's issue time (the same
-host work at every shape) varied by more than 2x across the signatures of one run. Ties (within
-``TIE``, 2%, of each other's time: GPU time on a GPU, time per call on a CPU; e.g. SDPA's own
-dispatch and the backend it dispatches to, forced) go first to a backend that calls SDPA without
-forcing one of its backends (``_sdpa_forced``), then (on a GPU) leanest host first.
-Calls then go to the first. A backend that fails on a call falls back to the next one of the
-ranking; the reason is logged once per (backend, reason) and counted in ``get_statistics()``.
+gaps do not count as GPU time; and the time per call of calls made back to back (CUDA events on a
+GPU: the host's time where the call is host-bound, the GPU's where it is GPU-bound; on a CPU, the
+host time). The call timed is the caller's whole call when the caller gives it (``call``:
+AdaAttention's projections, the op and the output projection, so that the op's host time is
+weighed against the module's GPU work, not its own), otherwise the op alone. The backends take
+turns in ``ROUNDS`` rounds (``_measure``): a slow spell of the host lands on one turn of several
+backends, not on every call of one.
+
+The ranking (``rank_timings``) is by ``objective``: "call" (the default) by time per call, which is
+what a caller that makes one call after another waits for; "gpu" by GPU time, which is what the
+choice changes wherever the host runs ahead of the GPU (a CUDA graph, a GPU-bound model around the
+call). The two part ways only where the call is host-bound: in the scaling study's H100 run at code
+961666b0 (E=512 bf16, forward, B=1 S=512-2048 and B=4 S=1024; the op alone, as the manager timed it
+then, ranking by GPU time), SDPA's own dispatch (cuDNN) took 2.4-4.1x less GPU time than forced
+efficient attention and 8-14 us more host time per call, and the module, which ran SDPA, took
+1.11-1.23x the time per call of the module around forced efficient attention (side by side). Under
+"gpu" host time decides only where it is far out of line: a backend
+whose issue time exceeds both its GPU time and ``HOST_SLACK`` (2x) times the leanest backend's goes
+after the others. Ties (within ``TIE``, 2%, of each other's time) go first to a backend that calls
+SDPA without forcing one of its backends (``_sdpa_forced``), then to the leaner GPU (objective
+"call") or host ("gpu"). Calls then go to the first. A backend that fails on a call falls back to
+the next one of the ranking; the reason is logged once per (backend, reason) and counted in
+``get_statistics()``.
 
 Backends (q (B, Hq, L, D), k and v (B, Hkv, S, D); GQA without copies where the backend allows):
 flash-attn (if installed), each SDPA backend forced (flash, efficient, cuDNN, math), SDPA's own
@@ -256,7 +266,7 @@ FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xform
 
 
 HOST_SLACK = 2.0  # a GPU backend is host-heavy when its issue time exceeds its GPU time and this x the leanest's
-# Times within 2% are a tie (GPU time on a GPU, time per call on a CPU): SDPA's own dispatch and the
+# Times within 2% are a tie (the ranking's time: per call, or GPU time): SDPA's own dispatch and the
 # backend it dispatches to, forced, run the same kernel (H100 scaling run at code 1a538248: SDPA's and
 # forced cuDNN's GPU times within 1.5% at all 18 signatures), and forcing costs host time every call,
 # which the manager's few calls do not resolve: a tie goes first to the backend not forced. When forcing
@@ -268,8 +278,11 @@ HOST_SLACK = 2.0  # a GPU backend is host-heavy when its issue time exceeds its 
 # but still more than not forcing
 TIE = 0.02
 WRAPPED = frozenset(b.name for b in BACKENDS.values() if b.wrapped)
-ROUNDS = 3  # the backends' turns per signature, interleaved
-METHOD = 6  # how rankings are measured (6: forced SDPA backends set the flags, not sdpa_kernel); a cache written by another method is not trusted
+ROUNDS = 5  # the backends' turns per signature, interleaved
+BURSTS = 3  # GPU: bursts of calls back to back per turn, for the time per call (the fastest counts)
+CONTENDER_ROUNDS, CONTENDER = 2, 3.0  # after this many rounds, a backend this much slower than the fastest stops
+METHOD = 7  # how rankings are measured (7: time per call, of the caller's call); a cache written by another method is not trusted
+OBJECTIVES = ("call", "gpu")  # what a ranking is by: time per call, or GPU time
 
 
 @dataclass(frozen=True)
@@ -278,27 +291,35 @@ class Timing:
 
     host_ms: float  # host time to issue the call (on a CPU, the call)
     gpu_ms: float | None  # GPU time of the call's work (None on a CPU)
+    call_ms: float  # time per call of calls made back to back (on a CPU, host_ms)
 
 
-def rank_timings(times: dict[str, Timing], host_slack: float = HOST_SLACK, tie: float = TIE,
+def rank_timings(times: dict[str, Timing], objective: str = "call", host_slack: float = HOST_SLACK, tie: float = TIE,
                  wrapped: frozenset[str] = WRAPPED) -> list[str]:
-    """Backends fastest first: on a CPU by time per call; on a GPU by GPU time, host-heavy backends last.
-    A tie (within ``tie``) goes first to the backends not in ``wrapped``, then to the leaner host."""
+    """Backends fastest first by ``objective``: "call", time per call; "gpu", GPU time with host-heavy
+    backends last (on a CPU both are time per call). A tie (within ``tie``) goes first to the backends
+    not in ``wrapped``, then to the leaner GPU ("call") or host ("gpu")."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r} is not one of: {', '.join(OBJECTIVES)}")
     cpu = any(t.gpu_ms is None for t in times.values())
+    by_gpu = objective == "gpu" and not cpu
     lean = min(t.host_ms for t in times.values())
 
     def time_of(n: str) -> float:  # what the ranking is by
-        return times[n].host_ms if cpu else times[n].gpu_ms
+        return times[n].gpu_ms if by_gpu else times[n].call_ms
 
     def heavy(n: str) -> bool:
-        return not cpu and times[n].host_ms > max(times[n].gpu_ms, host_slack * lean)
+        return by_gpu and times[n].host_ms > max(times[n].gpu_ms, host_slack * lean)
 
-    rest = sorted(times, key=lambda n: (heavy(n), time_of(n), times[n].host_ms))
+    def leaner(n: str) -> float:
+        return times[n].host_ms if by_gpu or cpu else times[n].gpu_ms
+
+    rest = sorted(times, key=lambda n: (heavy(n), time_of(n), leaner(n)))
     out: list[str] = []
     while rest:  # the next backend and those tied with it
         head = rest[0]
         tied = [n for n in rest if heavy(n) == heavy(head) and time_of(n) <= (1 + tie) * time_of(head)]
-        out += sorted(tied, key=lambda n: (n in wrapped, times[n].host_ms))
+        out += sorted(tied, key=lambda n: (n in wrapped, leaner(n)))
         rest = [n for n in rest if n not in tied]
     return out
 
@@ -318,11 +339,15 @@ def _sleep_cycles_per_ms(index: int) -> float:
 
 def _timed(call: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> Timing:
     """Host time to issue one ``call`` (the fastest of ``repeats`` calls: the host's noise only adds
-    time) and, on a GPU, the GPU time of its work (the mean of ``repeats`` calls), in ms.
+    time), on a GPU the GPU time of its work (the mean of ``repeats`` calls), and the time per call of
+    ``repeats`` calls back to back, in ms.
 
     On a GPU a sleep kernel holds the stream while the host issues the timed calls, so the events
     around them measure GPU work, not host gaps; the sleep is sized from one issue of the call and
-    doubled (up to three tries) when the host took longer than it."""
+    doubled (up to three tries) when the host took longer than it. Time per call, as the scaling
+    study's side-by-side turns take it: the queue drained, one call not counted (its host time runs on
+    an idle GPU), then ``repeats`` calls between two events: the host's time where the call is
+    host-bound, the GPU's where it is GPU-bound; the fastest of ``BURSTS`` such bursts."""
     for _ in range(warmup):
         call()
     cuda = device.type == "cuda"
@@ -344,13 +369,23 @@ def _timed(call: Callable[[], object], device: torch.device, warmup: int, repeat
             call()
             host.append((time.perf_counter() - t0) * 1e3)
         if not cuda:
-            return Timing(min(host), None)
+            return Timing(min(host), None, min(host))
         end.record()
         end.synchronize()
         if sum(host) < sleep_ms:
             break
         sleep_ms *= 2
-    return Timing(min(host), start.elapsed_time(end) / repeats)
+    gpu_ms = start.elapsed_time(end) / repeats
+    per_call = math.inf
+    for _ in range(BURSTS):
+        call()  # not counted (the queue is drained: the last burst's end event was waited for)
+        start.record()
+        for _ in range(repeats):
+            call()
+        end.record()
+        end.synchronize()
+        per_call = min(per_call, start.elapsed_time(end) / repeats)
+    return Timing(min(host), gpu_ms, per_call)
 
 
 def _workload(run: Run, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
@@ -377,6 +412,13 @@ def _workload(run: Run, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     return forward_backward
 
 
+def _combined(turns: list[Timing]) -> Timing:
+    """One backend's timing from its turns: host time and time per call the fastest turn's (the host's
+    noise only adds time), GPU time the median."""
+    gpu = None if turns[0].gpu_ms is None else statistics.median(t.gpu_ms for t in turns)
+    return Timing(min(t.host_ms for t in turns), gpu, min(t.call_ms for t in turns))
+
+
 def _reason(err: BaseException) -> str:
     first = str(err).splitlines()[0] if str(err) else ""
     return f"{type(err).__name__}: {first}"
@@ -386,17 +428,21 @@ class AttentionKernelManager:
     """Picks, per signature, the fastest backend measured on this machine; falls back down its ranking."""
 
     def __init__(self, backends: list[str] | None = None, cache_path: str | os.PathLike | None = None,
-                 warmup: int = 1, repeats: int = 5):
+                 warmup: int = 1, repeats: int = 5, objective: str = "call"):
         names = list(BACKENDS) if backends is None else list(backends)
         unknown = [n for n in names if n not in BACKENDS]
         if unknown or not names:
             raise ValueError(f"unknown attention backend(s) {unknown or names}; allowed: {', '.join(BACKENDS)}")
         if warmup < 0 or repeats < 1:
             raise ValueError(f"warmup >= 0 and repeats >= 1 required; got {warmup}, {repeats}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective {objective!r} is not one of: {', '.join(OBJECTIVES)}")
         self.backends = names
+        self.objective = objective
         self.warmup, self.repeats = warmup, repeats
         self.cache_path = Path(cache_path) if cache_path is not None else None
         self.timings: dict[str, dict[str, Timing]] = {}  # signature -> backend -> what its ranking came from
+        self.timed: dict[str, str] = {}  # signature -> what was timed: "call" (the caller's) or "op" (the op alone)
         self.rankings: dict[str, list[str]] = self._load()
         self.calls: Counter[str] = Counter()
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # (backend, reason)
@@ -462,23 +508,25 @@ class AttentionKernelManager:
         except (OSError, json.JSONDecodeError) as err:
             log.warning("ignoring unreadable kernel choice cache %s: %s", self.cache_path, err)
             return {}
-        if data.get("torch") != torch.__version__ or data.get("method") != METHOD:
-            log.warning("ignoring kernel choice cache %s: measured under torch %s, method %s; this is %s, method %s",
-                        self.cache_path, data.get("torch"), data.get("method"), torch.__version__, METHOD)
+        seen = (data.get("torch"), data.get("method"), data.get("objective"))
+        if seen != (torch.__version__, METHOD, self.objective):
+            log.warning("ignoring kernel choice cache %s: measured under torch %s, method %s, objective %s; this is "
+                        "%s, method %s, objective %s", self.cache_path, *seen, torch.__version__, METHOD, self.objective)
             return {}
         rankings = {k: v for k, v in data.get("rankings", {}).items() if all(b in BACKENDS for b in v)}
         for key, times in data.get("timings", {}).items():
             if key in rankings:
                 self.timings[key] = {b: Timing(*t) for b, t in times.items()}
+        self.timed = {k: v for k, v in data.get("timed", {}).items() if k in rankings}
         return rankings
 
     def _save(self) -> None:
         if self.cache_path is None:
             return
         self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"torch": torch.__version__, "method": METHOD, "rankings": self.rankings,
-                   "timings": {k: {b: [t.host_ms, t.gpu_ms] for b, t in times.items()}
-                               for k, times in self.timings.items()}}
+        payload = {"torch": torch.__version__, "method": METHOD, "objective": self.objective, "rankings": self.rankings,
+                   "timings": {k: {b: [t.host_ms, t.gpu_ms, t.call_ms] for b, t in times.items()}
+                               for k, times in self.timings.items()}, "timed": self.timed}
         fd, tmp = tempfile.mkstemp(dir=self.cache_path.parent, prefix=self.cache_path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=1, sort_keys=True)
@@ -495,26 +543,36 @@ class AttentionKernelManager:
         return out
 
     def ranking(self, sig: Signature, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                scale: float | None) -> list[str]:
+                scale: float | None, call: Callable[[Run], Callable[[], object]] | None = None) -> list[str]:
+        """The signature's backends, fastest first, measured on these inputs when it has no ranking yet.
+        ``call(run)``: the caller's whole call with the op made by ``run`` (for a training signature,
+        forward and backward), timed instead of the op alone."""
         key = sig.key()
         ranked = self.rankings.get(key)
         if ranked is None:
-            ranked = self._measure(sig, q, k, v, attn_mask, is_causal, scale)
+            ranked = self._measure(sig, q, k, v, attn_mask, is_causal, scale, call)
             self.rankings[key] = ranked
             self._save()
         return [b for b in ranked if b not in self._disabled] if self._disabled else ranked
 
-    def _measure(self, sig, q, k, v, attn_mask, is_causal, scale) -> list[str]:
+    def _measure(self, sig, q, k, v, attn_mask, is_causal, scale, call=None) -> list[str]:
         """Every candidate timed in ``ROUNDS`` rounds, one turn each per round, the order rotated: host time
-        the fastest of all its calls, GPU time the median of its turns. One backend after another, a slow
-        spell of the host made all of one backend's calls slow (H100 scaling run at code 4622cc24, B=1 S=2048
-        forward and backward: SDPA's issue time 2.52 ms, 0.2-0.3 ms at the signatures around it, so it went
-        last as host-heavy and the module called forced cuDNN, the same kernel behind a context manager)."""
-        calls = {name: _workload(BACKENDS[name].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
+        and time per call the fastest of all its turns (the host's noise only adds time), GPU time the median
+        of its turns. One backend after another, a slow spell of the host made all of one backend's calls slow
+        (H100 scaling run at code 4622cc24, B=1 S=2048 forward and backward: SDPA's issue time 2.52 ms,
+        0.2-0.3 ms at the signatures around it, so it went last as host-heavy and the module called forced
+        cuDNN, the same kernel behind a context manager). After ``CONTENDER_ROUNDS`` rounds a backend more than
+        ``CONTENDER`` times slower than the fastest (by the ranking's time) takes no more turns: it cannot
+        come first, and at long sequences the math backends' calls are most of the measurement."""
+        calls = {name: call(BACKENDS[name].run) if call is not None else
+                 _workload(BACKENDS[name].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
                  for name, why in self.candidates(sig) if why is None}
         turns: dict[str, list[Timing]] = {name: [] for name in calls}
         names = list(calls)
         for r in range(ROUNDS):
+            if r == CONTENDER_ROUNDS and turns:
+                lead = {n: self._time_of(_combined(ts)) for n, ts in turns.items()}
+                names = [n for n in names if n in lead and lead[n] <= CONTENDER * min(lead.values())]
             first = r % len(names) if names else 0
             for name in names[first:] + names[:first]:
                 if name not in turns:
@@ -524,13 +582,17 @@ class AttentionKernelManager:
                 except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
                     self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
                     del turns[name]
-        times = {name: Timing(min(t.host_ms for t in ts), None if ts[0].gpu_ms is None
-                              else statistics.median(t.gpu_ms for t in ts)) for name, ts in turns.items()}
+        times = {name: _combined(ts) for name, ts in turns.items()}
         if not times:
             raise RuntimeError(f"no attention backend can run {sig}: " + "; ".join(
                 f"{n}: {w}" for n, w in self.candidates(sig) if w))
         self.timings[sig.key()] = times
-        return rank_timings(times)
+        self.timed[sig.key()] = "op" if call is None else "call"
+        return rank_timings(times, self.objective)
+
+    def _time_of(self, t: Timing) -> float:
+        """What the ranking is by (``rank_timings``)."""
+        return t.gpu_ms if self.objective == "gpu" and t.gpu_ms is not None else t.call_ms
 
     def _note_fallback(self, name: str, reason: str) -> None:
         if (name, reason) not in self.fallbacks:
@@ -538,12 +600,14 @@ class AttentionKernelManager:
         self.fallbacks[(name, reason)] += 1
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
-                 scale: float | None = None, sig: Signature | None = None) -> tuple[Tensor, str]:
+                 scale: float | None = None, sig: Signature | None = None,
+                 call: Callable[[Run], Callable[[], object]] | None = None) -> tuple[Tensor, str]:
         """Attention through the fastest backend that runs; returns (output, backend name). ``sig``: the
-        caller's ``Signature.of(q, k, mask kind)``, when it has it."""
+        caller's ``Signature.of(q, k, mask kind)``, when it has it; ``call``: the caller's whole call, timed
+        instead of the op alone when the signature is measured (``ranking``)."""
         if sig is None:
             sig = Signature.of(q, k, "causal" if is_causal else "none" if attn_mask is None else "mask")
-        for name in self.ranking(sig, q, k, v, attn_mask, is_causal, scale):
+        for name in self.ranking(sig, q, k, v, attn_mask, is_causal, scale, call):
             try:
                 out = BACKENDS[name].run(q, k, v, attn_mask, is_causal, scale)
             except Exception as err:  # noqa: BLE001 - fall back down the ranking, reason logged once
@@ -559,4 +623,4 @@ class AttentionKernelManager:
         return {"calls": dict(calls), "total_calls": total,
                 "flash_ratio": sum(n for b, n in calls.items() if b in FLASH_LIKE) / total if total else 0.0,
                 "fallbacks": [{"backend": b, "reason": r, "count": n} for (b, r), n in self.fallbacks.items()],
-                "signatures": len(self.rankings)}
+                "signatures": len(self.rankings), "objective": self.objective}
