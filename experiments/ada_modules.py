@@ -83,11 +83,12 @@ def backend_unavailable(backend: str, device: str) -> str | None:
 
 
 def _timed_name(backend: str, t: Timing | None) -> str:
-    """``backend (time per call / host / GPU ms)``, as the manager timed it."""
+    """``backend (time per call / host / GPU ms)``, as the manager timed it; ``*`` after a time per call that is
+    the fastest burst (the backend took no paired rounds), not the typical turn."""
     if t is None:
         return backend
     gpu = "-" if t.gpu_ms is None else f"{t.gpu_ms:.3g}"
-    return f"{backend} ({t.call_ms:.3g} / {t.host_ms:.3g} / {gpu})"
+    return f"{backend} ({t.call_ms:.3g}{'' if t.rounds else '*'} / {t.host_ms:.3g} / {gpu})"
 
 
 _TIMED = {"call": "module's call", "op": "attention op alone"}  # what a manager's ranking timed
@@ -264,10 +265,12 @@ class ModuleStudy:
         for manager in self._managers.values():
             for key, ranking in manager.rankings.items():
                 times = manager.timings.get(key, {})
+                paired = max((t.rounds for t in times.values()), default=0)
                 rows.append({"table_id": self.section_id, "case_id": f"manager/{key}", "provider": "adaattn",
                              "mode": "", "metric": "manager_ranking", "value": len(ranking),
                              "unit": f"backends ranked by {manager.objective} (ms: time per call / host / GPU, of the "
-                                     f"{_TIMED[manager.timed.get(key, 'op')]}, as the manager timed them)",
+                                     f"{_TIMED[manager.timed.get(key, 'op')]}, as the manager timed them; time per "
+                                     f"call the typical turn of {paired} paired rounds, * the fastest burst)",
                              "status": "ok", "reason": "", "kernel": " > ".join(_timed_name(b, times.get(b))
                                                                                 for b in ranking)})
             for (backend, reason), n in manager.fallbacks.items():

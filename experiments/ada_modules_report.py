@@ -11,6 +11,8 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
+from adaattn.attention.kernel_manager import CALL_BUDGET_MS, CALL_ROUNDS, CALL_SPREAD, CONTENDER_ROUNDS, ROUNDS, TIE
+from adaattn.attention.kernel_manager import CONTENDER as MGR_CONTENDER
 from adaattn.report.common import Section, Verdict, fmt, guide_figures, md_table, save_figure
 from adaattn_experiments.side_by_side import BURST, CI_LEVEL, CONTENDER
 
@@ -171,8 +173,9 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
         "objective, `call`): at small shapes on a GPU it is mostly host time, and there the manager may pick a "
         "backend with a slower kernel and a leaner host. Kernel time (the GPU time of a call's kernels) is what a "
         "caller whose host runs ahead of the GPU waits for (a CUDA graph, a GPU-bound model); a manager made with "
-        "`objective=\"gpu\"` ranks by it, and this study does not run one, so at host-bound shapes the module's "
-        "kernel time reads above the fastest backend's by the manager's choice, not by its overhead. "
+        "`objective=\"gpu\"` ranks by it, and this study does not run one, so wherever the manager picked a backend "
+        "with a slower kernel the module's kernel time reads above the fastest backend's, by that choice and not "
+        "by its overhead. "
         "The host's speed drifts within a run (see `host_ms` in the results), so the goal's time per call is "
         "taken once more after the sweep with the providers side by side: per shape and mode, adaattn and every "
         f"direct backend within {CONTENDER:g}x of the fastest in a warm-up, one turn of each per round in a shuffled order "
@@ -192,9 +195,14 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
         "### Backend the manager ran (kernels of one call) and its measured ranking per signature\n\n"
         "The ranking's times are the manager's own, of the module's whole call with each backend (ms: time per "
         "call of calls back to back / host time to issue one / GPU time; forward and backward for a signature "
-        "with gradients; time per call and host time the fastest of the backend's turns, GPU time their median), "
-        "ranked by time per call; times within 2% tie, SDPA's own dispatch first, then the leaner GPU. A "
-        "backend over 3x the fastest after two rounds is not timed further.\n\n"
+        f"with gradients; host time the fastest of the backend's {ROUNDS} turns, GPU time their median). Time per call: "
+        f"the backends within {CALL_SPREAD:g}x of the fastest burst take paired rounds, one turn each per round, "
+        f"until one leads every other with {CI_LEVEL:.0%} confidence or about {CALL_BUDGET_MS / 1e3:g} s of calls "
+        f"are spent ({CALL_ROUNDS[0]}-{CALL_ROUNDS[1]} rounds), and their time per call is their typical turn; a "
+        "time marked * is a fastest burst (no paired rounds), ranked after them. Ranked by time per call; times "
+        f"within {TIE:.0%} tie where their GPU times are within {TIE:.0%} too (the same kernel through two "
+        f"dispatch paths): SDPA's own dispatch first, then the faster call. A backend over {MGR_CONTENDER:g}x "
+        f"the fastest after {CONTENDER_ROUNDS} of the {ROUNDS} turns is not timed further.\n\n"
         + md_table(kern_tab) + "\n\n" + (md_table(rank_rows) if len(rank_rows) else "") + "\n")
     return [Section("G2-B", "GPU Benchmarking Suite (batch and sequence scaling)", md_b,
                     _goal_verdicts(goal_rows, t)),

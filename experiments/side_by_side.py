@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from adaattn.attention.paired import CI_LEVEL, median_ci, round_ratios
 from adaattn.bench.harness import Workload
 from adaattn.bench.timing import Quantiles, quantiles
 
@@ -44,7 +45,6 @@ SEED = 0  # the round orders
 WARMUP_CALLS = 3  # per provider, timed alone before the rounds
 BURST = 4  # CUDA: calls per provider per round, back to back; the first is not counted
 CONTENDER = 3.0  # a provider this much slower than the fastest in warm-up is not timed in the rounds
-CI_LEVEL = 0.95  # of the median's confidence interval
 
 
 def call_of(w: Workload, mode: str) -> Callable[[], object]:
@@ -132,34 +132,6 @@ def interleaved_samples_ms(calls: Sequence[Callable[[], object]], device: str, r
                 calls[i]()
                 samples[i].append((time.perf_counter() - t0) * 1e3)
     return samples
-
-
-def round_ratios(test: Sequence[float], other: Sequence[float]) -> list[float]:
-    """``test``'s time over ``other``'s in each round. The two turns of a round are seconds apart at most,
-    so a drift of the host's speed between rounds cancels in each ratio: far tighter than the ratio of
-    the two medians when the drift is larger than the gap."""
-    if len(test) != len(other) or not test:
-        raise ValueError(f"need one sample of each per round; got {len(test)} and {len(other)}")
-    return [t / o for t, o in zip(test, other, strict=True)]
-
-
-def median_ci(samples: Sequence[float], level: float = CI_LEVEL) -> tuple[float, float]:
-    """A confidence interval of the median of ``samples`` that assumes nothing of their distribution (only
-    that they are independent draws): the order statistics x_(l) and x_(n+1-l), l the largest with
-    P(Binomial(n, 1/2) <= l - 1) <= (1 - level) / 2. (-inf, inf) when there are too few samples for
-    ``level`` (5 or fewer at 95%)."""
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1); got {level}")
-    x, n = sorted(samples), len(samples)
-    tail, cum, low = (1 - level) / 2, 0.0, 0
-    for j in range(n):
-        cum += math.comb(n, j) / 2**n  # P(Binomial(n, 1/2) <= j)
-        if cum > tail:
-            break
-        low = j + 1
-    if low == 0:
-        return -math.inf, math.inf
-    return x[low - 1], x[n - low]
 
 
 def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], Workload]]]], device: str,

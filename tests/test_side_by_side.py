@@ -129,3 +129,22 @@ def test_median_ci_is_the_binomial_order_statistics_and_covers_the_median():
     rng = np.random.default_rng(0)
     hits = sum(lo <= 1.0 <= hi for lo, hi in (median_ci(rng.lognormal(0, 1, 30).tolist()) for _ in range(2000)))
     assert 0.94 < hits / 2000 < 0.975
+
+
+def test_paired_times_are_typical_turns_on_a_common_scale():
+    """``paired_times``: each contender's median turn relative to its round (the round's geometric mean),
+    on the scale of the median round. A drift between rounds lands on every contender alike and leaves
+    their ratio; a contender slow in one round in three is ranked by its typical turn."""
+    from adaattn.attention.paired import paired_times
+
+    drift = [1.0, 3.0, 1.5, 2.0, 1.2]
+    got = paired_times({"a": drift, "b": [1.05 * d for d in drift]})
+    assert got["b"] / got["a"] == pytest.approx(1.05)
+    scale = sorted(math.sqrt(1.05) * d for d in drift)[2]  # the median round's geometric mean
+    assert got["a"] == pytest.approx(scale / math.sqrt(1.05))
+    spiky = [1.0, 1.0, 9.0] * 4  # its typical turn is 1.0 on rounds where the other takes 1.2
+    assert paired_times({"spiky": spiky, "steady": [1.2] * 12}) == pytest.approx({"spiky": 1.0, "steady": 1.2})
+    assert paired_times({"alone": [3.0, 1.0, 2.0]}) == {"alone": 2.0}
+    for bad in ({"a": [1.0], "b": [1.0, 2.0]}, {"a": []}, {"a": [1.0, 0.0]}):
+        with pytest.raises(ValueError):
+            paired_times(bad)

@@ -15,7 +15,10 @@ host time). The call timed is the caller's whole call when the caller gives it (
 AdaAttention's projections, the op and the output projection, so that the op's host time is
 weighed against the module's GPU work, not its own), otherwise the op alone. The backends take
 turns in ``ROUNDS`` rounds (``_measure``): a slow spell of the host lands on one turn of several
-backends, not on every call of one.
+backends, not on every call of one. Under objective "call" the backends within ``CALL_SPREAD`` of the
+fastest then take paired rounds (``_paired``: up to about ``call_budget_ms`` of calls per signature,
+1.5 s by default, less where one backend is ahead with confidence) and their time per call is their
+typical turn, not their fastest: at a host-bound shape the host's noise is most of a fastest burst.
 
 The ranking (``rank_timings``) is by ``objective``: "call" (the default) by time per call, which is
 what a caller that makes one call after another waits for; "gpu" by GPU time, which is what the
@@ -28,8 +31,9 @@ efficient attention and 8-14 us more host time per call, and the module, which r
 "gpu" host time decides only where it is far out of line: a backend
 whose issue time exceeds both its GPU time and ``HOST_SLACK`` (2x) times the leanest backend's goes
 after the others. Ties (within ``TIE``, 2%, of each other's time) go first to a backend that calls
-SDPA without forcing one of its backends (``_sdpa_forced``), then to the leaner GPU (objective
-"call") or host ("gpu"). Calls then go to the first. A backend that fails on a call falls back to
+SDPA without forcing one of its backends (``_sdpa_forced``), then to the faster call (objective
+"call") or the leaner host ("gpu"); under "call" on a GPU only backends whose GPU times are within
+``TIE`` too tie (the same kernel through two dispatch paths). Calls then go to the first. A backend that fails on a call falls back to
 the next one of the ranking; the reason is logged once per (backend, reason) and counted in
 ``get_statistics()``.
 
@@ -61,6 +65,7 @@ from torch import Tensor
 
 from adaattn.attention.chunked import chunked_attention
 from adaattn.attention.hardware import HardwareCapabilities
+from adaattn.attention.paired import median_ci, paired_times, round_ratios
 from adaattn.attention.providers import PROVIDERS
 from adaattn.layers.attention import _expand_kv
 
@@ -275,13 +280,23 @@ HOST_SLACK = 2.0  # a GPU backend is host-heavy when its issue time exceeds its 
 # flash then took 1.074x the direct SDPA call per round; on the H100 (run at code ea179147) forced
 # cuDNN's host time came out 0.255 ms, SDPA's 0.274 ms at B=4 S=1024 forward and backward, and the
 # module through forced cuDNN took 1.091x the direct SDPA call per round. Setting the flags costs less,
-# but still more than not forcing
+# but still more than not forcing. Under objective "call" two different kernels do not tie: in the H100
+# scaling run at code c10e18f2 (the tie then took any backend within 2%, the leaner GPU first) the paired
+# rounds put the module's call through forced flash ahead of forced cuDNN, by less than 2%, at B=16
+# S=1024 forward and backward; the tie gave it to cuDNN's leaner GPU, and the module took 1.087x the direct flash call per round
 TIE = 0.02
 WRAPPED = frozenset(b.name for b in BACKENDS.values() if b.wrapped)
 ROUNDS = 5  # the backends' turns per signature, interleaved
 BURSTS = 3  # GPU: bursts of calls back to back per turn, for the time per call (the fastest counts)
 CONTENDER_ROUNDS, CONTENDER = 2, 3.0  # after this many rounds, a backend this much slower than the fastest stops
-METHOD = 7  # how rankings are measured (7: time per call, of the caller's call); a cache written by another method is not trusted
+# objective "call": the backends within CALL_SPREAD x the fastest time per call (its fastest burst) then take
+# paired rounds (``_paired``): at least, at most CALL_ROUNDS, about call_budget_ms of calls, a look every
+# CALL_BATCH rounds (it stops when the fastest is ahead of every other with CI_LEVEL confidence)
+CALL_SPREAD = 2.0
+CALL_ROUNDS = (10, 100)
+CALL_BATCH = 10
+CALL_BUDGET_MS = 1500.0
+METHOD = 8  # how rankings are measured (8: time per call in paired rounds); a cache written by another method is not trusted
 OBJECTIVES = ("call", "gpu")  # what a ranking is by: time per call, or GPU time
 
 
@@ -291,14 +306,20 @@ class Timing:
 
     host_ms: float  # host time to issue the call (on a CPU, the call)
     gpu_ms: float | None  # GPU time of the call's work (None on a CPU)
-    call_ms: float  # time per call of calls made back to back (on a CPU, host_ms)
+    # time per call of calls made back to back: with ``rounds``, the typical turn of the paired rounds
+    # (``paired_times``); without, the fastest burst (on a CPU, host_ms)
+    call_ms: float
+    rounds: int = 0  # paired rounds it took (objective "call": ``AttentionKernelManager._paired``)
 
 
 def rank_timings(times: dict[str, Timing], objective: str = "call", host_slack: float = HOST_SLACK, tie: float = TIE,
                  wrapped: frozenset[str] = WRAPPED) -> list[str]:
     """Backends fastest first by ``objective``: "call", time per call; "gpu", GPU time with host-heavy
     backends last (on a CPU both are time per call). A tie (within ``tie``) goes first to the backends
-    not in ``wrapped``, then to the leaner GPU ("call") or host ("gpu")."""
+    not in ``wrapped``, then to the faster call ("call") or the leaner host ("gpu"). Under "call" on a GPU,
+    backends tie only where their GPU times are within ``tie`` too: the same kernel through two dispatch
+    paths (SDPA's own and the backend it dispatches to, forced), not two kernels whose calls came out
+    close."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is not one of: {', '.join(OBJECTIVES)}")
     cpu = any(t.gpu_ms is None for t in times.values())
@@ -312,13 +333,18 @@ def rank_timings(times: dict[str, Timing], objective: str = "call", host_slack: 
         return by_gpu and times[n].host_ms > max(times[n].gpu_ms, host_slack * lean)
 
     def leaner(n: str) -> float:
-        return times[n].host_ms if by_gpu or cpu else times[n].gpu_ms
+        return times[n].host_ms if by_gpu or cpu else times[n].call_ms
+
+    def same_kernel(n: str, head: str) -> bool:  # "call" on a GPU: GPU times within the tie as well
+        gpu = (times[n].gpu_ms, times[head].gpu_ms)
+        return by_gpu or cpu or max(gpu) <= (1 + tie) * min(gpu)
 
     rest = sorted(times, key=lambda n: (heavy(n), time_of(n), leaner(n)))
     out: list[str] = []
     while rest:  # the next backend and those tied with it
         head = rest[0]
-        tied = [n for n in rest if heavy(n) == heavy(head) and time_of(n) <= (1 + tie) * time_of(head)]
+        tied = [n for n in rest if heavy(n) == heavy(head) and time_of(n) <= (1 + tie) * time_of(head)
+                and same_kernel(n, head)]
         out += sorted(tied, key=lambda n: (n in wrapped, leaner(n)))
         rest = [n for n in rest if n not in tied]
     return out
@@ -376,16 +402,26 @@ def _timed(call: Callable[[], object], device: torch.device, warmup: int, repeat
             break
         sleep_ms *= 2
     gpu_ms = start.elapsed_time(end) / repeats
-    per_call = math.inf
-    for _ in range(BURSTS):
-        call()  # not counted (the queue is drained: the last burst's end event was waited for)
-        start.record()
-        for _ in range(repeats):
-            call()
-        end.record()
-        end.synchronize()
-        per_call = min(per_call, start.elapsed_time(end) / repeats)
-    return Timing(min(host), gpu_ms, per_call)
+    return Timing(min(host), gpu_ms, min(_turn(call, device, repeats) for _ in range(BURSTS)))
+
+
+def _turn(call: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Time per call (ms) of one turn: on a GPU, the queue drained, one call not counted (its host time
+    runs on an idle GPU), then ``repeats`` calls back to back between two CUDA events (as the scaling
+    study's side-by-side turns); on a CPU, one call."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        call()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    call()
+    start.record()
+    for _ in range(repeats):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def _workload(run: Run, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
@@ -419,6 +455,14 @@ def _combined(turns: list[Timing]) -> Timing:
     return Timing(min(t.host_ms for t in turns), gpu, min(t.call_ms for t in turns))
 
 
+def _settled(samples: dict[str, list[float]]) -> bool:
+    """The fastest of the paired rounds (``paired_times``) is faster than every other, each by the
+    ``CI_LEVEL`` confidence interval of the median of their round-by-round ratios."""
+    typical = paired_times(samples)
+    lead = min(typical, key=typical.get)
+    return all(median_ci(round_ratios(samples[n], samples[lead]))[0] > 1 for n in samples if n != lead)
+
+
 def _reason(err: BaseException) -> str:
     first = str(err).splitlines()[0] if str(err) else ""
     return f"{type(err).__name__}: {first}"
@@ -428,7 +472,7 @@ class AttentionKernelManager:
     """Picks, per signature, the fastest backend measured on this machine; falls back down its ranking."""
 
     def __init__(self, backends: list[str] | None = None, cache_path: str | os.PathLike | None = None,
-                 warmup: int = 1, repeats: int = 5, objective: str = "call"):
+                 warmup: int = 1, repeats: int = 5, objective: str = "call", call_budget_ms: float = CALL_BUDGET_MS):
         names = list(BACKENDS) if backends is None else list(backends)
         unknown = [n for n in names if n not in BACKENDS]
         if unknown or not names:
@@ -437,8 +481,11 @@ class AttentionKernelManager:
             raise ValueError(f"warmup >= 0 and repeats >= 1 required; got {warmup}, {repeats}")
         if objective not in OBJECTIVES:
             raise ValueError(f"objective {objective!r} is not one of: {', '.join(OBJECTIVES)}")
+        if not call_budget_ms >= 0:  # NaN too
+            raise ValueError(f"call_budget_ms must be >= 0 (0: no paired rounds); got {call_budget_ms}")
         self.backends = names
         self.objective = objective
+        self.call_budget_ms = call_budget_ms
         self.warmup, self.repeats = warmup, repeats
         self.cache_path = Path(cache_path) if cache_path is not None else None
         self.timings: dict[str, dict[str, Timing]] = {}  # signature -> backend -> what its ranking came from
@@ -525,7 +572,7 @@ class AttentionKernelManager:
             return
         self.cache_path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"torch": torch.__version__, "method": METHOD, "objective": self.objective, "rankings": self.rankings,
-                   "timings": {k: {b: [t.host_ms, t.gpu_ms, t.call_ms] for b, t in times.items()}
+                   "timings": {k: {b: [t.host_ms, t.gpu_ms, t.call_ms, t.rounds] for b, t in times.items()}
                                for k, times in self.timings.items()}, "timed": self.timed}
         fd, tmp = tempfile.mkstemp(dir=self.cache_path.parent, prefix=self.cache_path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
@@ -583,12 +630,59 @@ class AttentionKernelManager:
                     self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
                     del turns[name]
         times = {name: _combined(ts) for name, ts in turns.items()}
+        if self.objective == "call" and self.call_budget_ms > 0:
+            times = self._paired(calls, times, q.device)
         if not times:
             raise RuntimeError(f"no attention backend can run {sig}: " + "; ".join(
                 f"{n}: {w}" for n, w in self.candidates(sig) if w))
         self.timings[sig.key()] = times
         self.timed[sig.key()] = "op" if call is None else "call"
-        return rank_timings(times, self.objective)
+        paired = {n: t for n, t in times.items() if t.rounds}  # their times are typical turns, the others' fastest
+        rest = {n: t for n, t in times.items() if not t.rounds}
+        return (rank_timings(paired, self.objective) if paired else []) + (rank_timings(rest, self.objective) if rest else [])
+
+    def _paired(self, calls: dict[str, Callable[[], object]], times: dict[str, Timing],
+                device: torch.device) -> dict[str, Timing]:
+        """Objective "call": the backends within ``CALL_SPREAD`` x the fastest time per call (its fastest
+        burst) take paired rounds, one turn each per round (``_turn``), the order rotated; their time per
+        call becomes the typical turn (``paired_times``), ranked before the others. A fastest burst says
+        little of a host-bound call's typical time. On a lent H100's host (scratch run at code 18844d3c, E=512
+        bf16, forward and backward, five shapes from B=1 S=1024 to B=16 S=1024, each call made three ways:
+        as the manager times it, as the scaling study's direct call, through the module) the fastest bursts
+        of five rounds put the call through forced cuDNN at 0.79-1.05 ms and through forced flash at
+        0.76-0.94, and the three ways ranked the two differently at three of the shapes; the medians of 150
+        side-by-side rounds put cuDNN 2-10% behind flash at every shape, each way (its host time is longer;
+        its GPU time, shorter, hides under it). Rounds: at least ``CALL_ROUNDS[0]``, then every ``CALL_BATCH`` a
+        look, until the fastest's ratio to every other is below 1 with ``CI_LEVEL`` confidence, about
+        ``call_budget_ms`` of calls are spent, or ``CALL_ROUNDS[1]`` rounds. A backend that fails here is
+        not a candidate."""
+        best = min((t.call_ms for t in times.values()), default=math.inf)
+        names = [n for n, t in times.items() if t.call_ms <= CALL_SPREAD * best]
+        if len(names) < 2:
+            return times
+        per_round = sum(times[n].call_ms for n in names) * (self.repeats + 1 if device.type == "cuda" else 1)
+        most = min(CALL_ROUNDS[1], max(CALL_ROUNDS[0], math.ceil(self.call_budget_ms / per_round)))
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        times = dict(times)
+        for r in range(most):
+            first = r % len(names)
+            for name in names[first:] + names[:first]:
+                try:
+                    samples[name].append(_turn(calls[name], device, self.repeats))
+                except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
+                    self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
+                    del times[name], samples[name]
+            names = [n for n in names if n in samples]
+            done = r + 1
+            if len(names) < 2 or (done >= CALL_ROUNDS[0] and done % CALL_BATCH == 0 and _settled(samples)):
+                break
+        if not samples:
+            return times
+        done = len(next(iter(samples.values())))
+        for name, ms in paired_times(samples).items():
+            t = times[name]
+            times[name] = Timing(t.host_ms, t.gpu_ms, ms, done)
+        return times
 
     def _time_of(self, t: Timing) -> float:
         """What the ranking is by (``rank_timings``)."""
