@@ -200,8 +200,8 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
         f"until one leads every other with {CI_LEVEL:.0%} confidence or about {CALL_BUDGET_MS / 1e3:g} s of calls "
         f"are spent ({CALL_ROUNDS[0]}-{CALL_ROUNDS[1]} rounds), and their time per call is their typical turn; a "
         "time marked * is a fastest burst (no paired rounds), ranked after them. Ranked by time per call; times "
-        f"within {TIE:.0%} tie where their GPU times are within {TIE:.0%} too (the same kernel through two "
-        f"dispatch paths): SDPA's own dispatch first, then the faster call. A backend over {MGR_CONTENDER:g}x "
+        f"within {TIE:.0%} tie (on a GPU only where their GPU times are within {TIE:.0%} too: the same kernel "
+        f"through two dispatch paths): SDPA's own dispatch first, then the faster call. A backend over {MGR_CONTENDER:g}x "
         f"the fastest after {CONTENDER_ROUNDS} of the {ROUNDS} turns is not timed further.\n\n"
         + md_table(kern_tab) + "\n\n" + (md_table(rank_rows) if len(rank_rows) else "") + "\n")
     return [Section("G2-B", "GPU Benchmarking Suite (batch and sequence scaling)", md_b,
