@@ -366,7 +366,7 @@ def test_paired_rounds_stop_at_a_confident_lead_or_the_budget(monkeypatch):
         def run(q, k, v, m, c, s):
             ran.append(name)
             if name == "c" and paired["on"]:
-                raise RuntimeError("fails on its third call")
+                raise RuntimeError("fails in the paired rounds")
             if name == "far":
                 time.sleep(0.003)  # over CALL_SPREAD x the others in the first rounds
             return BACKENDS["math"].run(q, k, v, m, c, s)
@@ -390,7 +390,7 @@ def test_paired_rounds_stop_at_a_confident_lead_or_the_budget(monkeypatch):
         assert times["a"].rounds == times["b"].rounds == kmod.CALL_ROUNDS[0] and times["far"].rounds == 0
         assert times["a"].call_ms == pytest.approx(1.0) and times["b"].call_ms == pytest.approx(1.1)
         assert km.get_statistics()["fallbacks"] == [{"backend": "c", "count": 1, "reason":
-                                                     "rejected while measuring: RuntimeError: fails on its third call"}]
+                                                     "rejected while measuring: RuntimeError: fails in the paired rounds"}]
         typical["b"] = 1.0
         for budget, rounds in ((1e-9, kmod.CALL_ROUNDS[0]), (1e9, kmod.CALL_ROUNDS[1])):
             km = AttentionKernelManager(backends=["a", "b"], call_budget_ms=budget)
