@@ -14,7 +14,7 @@ from adaattn.attention.nystrom_triton import fused_solve
 from adaattn.attention.rank import PINV_ITERS, PINV_MATMULS_PER_ITER
 from adaattn.report.common import Section, Verdict, fmt, md_table, save_figure
 from adaattn_experiments.rank import GOAL_MIN_LEN, GOAL_RANK_DIV
-from adaattn_experiments.side_by_side import BURST
+from adaattn_experiments.side_by_side import BURST, CI_LEVEL
 
 GOAL_SPEEDUP = 2.0  # low-rank at rank <= S/16 at least 2x faster than the best exact backend at S >= 8192
 # what the r x r solve costs at least (``rank.RankStudy._solve_floor``): metric -> column
@@ -139,7 +139,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "Time per call: the best exact backend's over the low-rank path's, on a GPU from the goal's providers "
           "timed side by side after the sweep (one turn of each per round in a shuffled order, a turn "
           f"{BURST} calls on a flushed, drained queue, the first not counted, the other {BURST - 1} back to back and "
-          "timed together: `experiments/side_by_side.py`); kernel time: the sweep's interleaved kernel traces. "
+          "timed together; after a first block of rounds an exact backend that another beats with "
+          f"{CI_LEVEL:.0%} confidence leaves the rounds: `experiments/side_by_side.py`); kernel time: the sweep's interleaved kernel traces. "
           "The budget is the "
           f"time the whole low-rank call may take ({GOAL_SPEEDUP:g}x faster than the best exact). The r x r "
           f"solve's cost on this GPU: the pseudo-inverse's {PINV_ITERS * PINV_MATMULS_PER_ITER} batched products "

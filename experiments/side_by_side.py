@@ -20,6 +20,14 @@ at a host-bound shape the rounds' ratios spread by more than the 3% a goal is ab
 so whether the median is above a bound is a question the rounds answer only where the interval
 leaves it on one side.
 
+A group's rounds come in two parts. First ``min_rounds`` rounds of every provider timed; then a
+rival (a provider not under test) that another rival beats with ``CI_LEVEL`` confidence (the
+confidence interval of the median of their round-by-round ratio below 1, ``outpaced``) leaves the
+rounds: it cannot be the fastest rival, which is what a goal compares against, and the rest of the
+budget goes to rounds of the others. Timed to the end, every backend within ``CONTENDER`` of the
+fastest took a turn in every round, and the two turns that decide a goal's ratio (adaattn's and
+the fastest backend's) got the smaller share of the budget the more backends were close.
+
 Designs measured and dropped (H100): one call per turn behind another provider's GPU work hid a
 host-bound call's host time (the fused Nyström path came out at its kernel time, 4x under its
 time per call); one call per turn on a drained queue added every provider's launch latency; an
@@ -33,7 +41,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -94,13 +102,14 @@ def warm_ms(call: Callable[[], object], device: str, calls: int = WARMUP_CALLS) 
     return best
 
 
-def interleaved_samples_ms(calls: Sequence[Callable[[], object]], device: str, rounds: int) -> list[list[float]]:
+def interleaved_samples_ms(calls: Sequence[Callable[[], object]], device: str, rounds: int,
+                           seed: int = SEED) -> list[list[float]]:
     """Each call's time (ms) in each of ``rounds`` shuffled rounds of one turn each, in round order
     (sample j of every call comes from round j). On a GPU a sample is the mean of a turn's
-    ``BURST`` - 1 counted calls; on a CPU, one call."""
+    ``BURST`` - 1 counted calls; on a CPU, one call. ``seed``: the round orders'."""
     if not calls or rounds < 1:
         raise ValueError(f"need calls and rounds >= 1; got {len(calls)} calls, {rounds} rounds")
-    order = shuffled_rounds(len(calls), rounds)
+    order = shuffled_rounds(len(calls), rounds, seed)
     samples: list[list[float]] = [[] for _ in calls]
     if device == "cuda":
         flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")  # the L2, as CudaTimer
@@ -142,10 +151,13 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
     providers are warmed up and timed alone first; ``keep`` names the providers under test, always
     timed; any other one more than ``CONTENDER`` x the fastest of those others cannot be the best
     of them and is left out of the rounds (a "pruned" row).
-    Then as many rounds as fit ``budget_ms``, within [min_rounds, max_rounds]. A provider whose
-    workload fails to build or run gets an error row; the others still run. ``paired`` (one of
-    ``keep``): also a ``paired_ratio`` row per other timed provider, ``paired``'s time over that
-    provider's, round by round (``round_ratios``), and its median's ``CI_LEVEL`` confidence bounds
+    Then as many rounds as fit ``budget_ms``, within [min_rounds, max_rounds]: ``min_rounds`` of every
+    provider timed, then, where the budget has more, rounds without the rivals another rival beats
+    with confidence (``outpaced``; the row's reason says after how many rounds, beaten by which), and
+    each row's unit says how many rounds it took part in. A provider whose workload fails to build or
+    run gets an error row; the others still run. ``paired`` (one of ``keep``): also a ``paired_ratio``
+    row per other timed provider, ``paired``'s time over that provider's, round by round over the
+    rounds both took part in (``round_ratios``), and its median's ``CI_LEVEL`` confidence bounds
     (``paired_ratio_ci_low`` and ``paired_ratio_ci_high`` rows: ``median_ci``)."""
     if paired is not None and paired not in keep:
         raise ValueError(f"paired provider {paired!r} must be one of keep: {', '.join(keep)}")
@@ -179,16 +191,30 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
                 rows.append({**row, "provider": names[i], "status": "pruned",
                              "reason": f"warm-up {est[i]:.3g} ms > {CONTENDER:g}x the fastest ({fastest:.3g} ms)"})
             per_turn = BURST if device == "cuda" else 1
-            rounds = min(max_rounds, max(min_rounds, math.ceil(budget_ms / per_turn / sum(est[i] for i in timed))))
-            samples = interleaved_samples_ms([calls[i] for i in timed], device, rounds)
-        by_name = {names[i]: x for i, x in zip(timed, samples, strict=True)}
-        for i, x in zip(timed, samples, strict=True):
-            rows.append({**row, "provider": names[i], **_stats(quantiles(x)), "unit": f"{unit}; {rounds} rounds",
-                         "status": "ok", "reason": ""})
+
+            def fit(idx: Sequence[int], ms: float) -> int:  # rounds of these providers in about ms
+                return math.ceil(ms / per_turn / sum(est[i] for i in idx))
+
+            rounds = min(max_rounds, max(min_rounds, fit(timed, budget_ms)))
+            first = min(rounds, min_rounds)  # every timed provider; then the rivals outpaced leave
+            by_index = dict(zip(timed, interleaved_samples_ms([calls[i] for i in timed], device, first), strict=True))
+            left = outpaced({names[i]: by_index[i] for i in timed if names[i] not in keep}) if rounds > first else {}
+            rest = [i for i in timed if names[i] not in left]
+            more = min(max_rounds - first, fit(rest, budget_ms - first * per_turn * sum(est[i] for i in timed)))
+            if more > 0:
+                for i, x in zip(rest, interleaved_samples_ms([calls[i] for i in rest], device, more, SEED + 1),
+                                strict=True):
+                    by_index[i] += x
+        by_name = {names[i]: by_index[i] for i in timed}
+        for name, x in by_name.items():
+            why = (f"left the rounds after {first}: {left[name]} faster with {CI_LEVEL:.0%} confidence"
+                   if name in left else "")
+            rows.append({**row, "provider": name, **_stats(quantiles(x)), "unit": f"{unit}; {len(x)} rounds",
+                         "status": "ok", "reason": why})
         for name, x in by_name.items() if paired in by_name else ():
             if name != paired:
-                per_round = round_ratios(by_name[paired], x)
-                unit = f"{paired}'s time over this provider's in the same round (p50 over {rounds} rounds; {how})"
+                per_round = round_ratios(by_name[paired][:len(x)], x)  # the rounds both took part in
+                unit = f"{paired}'s time over this provider's in the same round (p50 over {len(x)} rounds; {how})"
                 rows.append({**row, "provider": name, "metric": "paired_ratio", **_stats(quantiles(per_round)),
                              "unit": unit, "status": "ok", "reason": ""})
                 for side, bound in zip(("low", "high"), median_ci(per_round), strict=True):
@@ -199,6 +225,19 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def outpaced(samples: Mapping[str, Sequence[float]], level: float = CI_LEVEL) -> dict[str, str]:
+    """Providers that another of ``samples`` (their turns in the same rounds) beats with ``level``
+    confidence: the confidence interval of the median of the other's time over theirs, round by round,
+    lies below 1. Each maps to the first such other."""
+    out = {}
+    for name, x in samples.items():
+        for other, y in samples.items():
+            if other != name and median_ci(round_ratios(y, x), level)[1] < 1:
+                out[name] = other
+                break
+    return out
 
 
 def _stats(q: Quantiles) -> dict:

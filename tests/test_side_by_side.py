@@ -148,3 +148,39 @@ def test_paired_times_are_typical_turns_on_a_common_scale():
     for bad in ({"a": [1.0], "b": [1.0, 2.0]}, {"a": []}, {"a": [1.0, 0.0]}):
         with pytest.raises(ValueError):
             paired_times(bad)
+
+
+def test_outpaced_names_the_providers_another_beats_with_confidence():
+    from adaattn_experiments.side_by_side import outpaced
+
+    fast = [1.0 + 0.01 * (j % 3) for j in range(12)]
+    samples = {"fast": fast, "slow": [2.0 * t for t in fast], "twin": [t * (1.05 if j % 2 else 0.95)
+                                                                        for j, t in enumerate(fast)]}
+    # slow: every round 2x fast's (and about 2x twin's); twin: ahead of fast in half the rounds, behind
+    # in the other half, so nothing beats it with confidence
+    assert outpaced(samples) == {"slow": "fast"}
+    assert outpaced({"fast": fast[:5], "slow": [2.0 * t for t in fast[:5]]}) == {}  # 5 rounds: no 95% interval
+    assert outpaced({"alone": fast}) == {}
+
+
+def test_rivals_outpaced_in_the_first_rounds_leave_and_the_rest_take_the_budget():
+    base = {"table_id": "T", "case_id": "c", "kernel": ""}
+    builders = {"kept": lambda: _sleeper(2.0), "fast": lambda: _sleeper(1.0), "slow": lambda: _sleeper(2.5)}
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=100, min_rounds=8,
+                             max_rounds=40, paired="kept")
+    times = {r["provider"]: r for r in rows if r["metric"] == "side_by_side_ms"}
+    assert all(r["status"] == "ok" for r in times.values())  # slow is timed (within CONTENDER), then leaves
+    rounds = {p: int(r["unit"].rsplit("; ", 1)[1].split()[0]) for p, r in times.items()}
+    assert rounds["slow"] == 8 < rounds["fast"] == rounds["kept"] <= 40
+    assert times["slow"]["reason"] == "left the rounds after 8: fast faster with 95% confidence"
+    assert times["fast"]["reason"] == times["kept"]["reason"] == ""
+    # about 100 ms of calls: 8 rounds of the three (5.5 ms each, or more on a loaded host), the rest of
+    # kept and fast (3 ms each)
+    assert 8 < rounds["fast"] <= 8 + 22
+    pairs = {r["provider"]: r for r in rows if r["metric"] == "paired_ratio"}
+    assert f"over {rounds['fast']} rounds" in pairs["fast"]["unit"] and "over 8 rounds" in pairs["slow"]["unit"]
+    assert 1.5 < pairs["fast"]["value"] < 2.5 and 0.6 < pairs["slow"]["value"] < 1.0
+    # the budget fits the first rounds only: nobody leaves, one part
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=8,
+                             max_rounds=40)
+    assert {r["unit"].rsplit("; ", 1)[1] for r in rows} == {"8 rounds"} and not any(r["reason"] for r in rows)
