@@ -16,10 +16,12 @@ Inputs, (B, H, S, D), per sequence length:
 Values of the synthetic inputs are N(0, 1).
 
 Providers, forward: each exact backend of ``exact_providers`` (the kernel manager's, called
-directly), ``nystrom-<r>`` for each rank of ``ranks`` up to S/2, and ``policy``: the path that
-``rank_mode="auto"``'s policy (``rank.choose_rank``) picks for these inputs (its one-time
-estimate is not timed; the study lifts AdaAttention's minimum length, so the policy is seen at
-every S). Error: against float64 on the first batch element. ``nystrom-<r>`` runs what
+directly), ``nystrom-<r>`` and ``pooled-<r>`` (the two low-rank paths, ``rank.LOW_RANK_METHODS``)
+for each rank of ``ranks`` up to S/2, and ``policy``: the path that ``rank_mode="auto"``'s policy
+(``rank.choose_rank``, both paths) picks for these inputs (its one-time estimate is not timed; the
+study lifts AdaAttention's minimum length, so the policy is seen at every S). Error: against
+float64 on the first batch element. ``pooled-<r>`` is one SDPA call over r segment means
+(``rank.pooled_attention``); ``nystrom-<r>`` runs what
 ``rank.nystrom_attention`` runs for a forward without autograd: the Triton kernels on a GPU up
 to their rank limit (the r x r solve fused up to 128 landmarks, batched matmuls beyond), the
 PyTorch path beyond it and on the CPU (the recorded kernel names say which; the report's goal
@@ -43,7 +45,15 @@ from torch import Tensor
 
 from adaattn.attention.kernel_manager import BACKENDS
 from adaattn.attention.providers import DTYPES
-from adaattn.attention.rank import PINV_ITERS, PINV_MATMULS_PER_ITER, choose_rank, estimate_rank, nystrom_attention
+from adaattn.attention.rank import (
+    LOW_RANK_METHODS,
+    PINV_ITERS,
+    PINV_MATMULS_PER_ITER,
+    LowRank,
+    choose_rank,
+    estimate_rank,
+    low_rank_attention,
+)
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload
 from adaattn.bench.runner import target_sections
@@ -57,6 +67,12 @@ from adaattn_experiments.side_by_side import side_by_side_rows
 ENERGY = 0.99
 GOAL_MIN_LEN = 8192  # the issue's low-rank goal: at S >= 8192 ...
 GOAL_RANK_DIV = 16  # ... with at most S / 16 landmarks, >= 2x the best exact backend
+
+
+def low_rank_of(provider: str) -> LowRank | None:
+    """``nystrom-<r>`` / ``pooled-<r>`` -> that low-rank path; any other provider -> None."""
+    method, _, r = provider.rpartition("-")
+    return LowRank(method, int(r)) if method in LOW_RANK_METHODS and r.isdigit() else None
 
 
 class RankStudy:
@@ -101,7 +117,8 @@ class RankStudy:
             shapes += [(f"minilm-l{i}", 0, 1, heads, S, head_dim) for i in sec.real_layers for S in sec.real_seq_lens]
         out = []
         for kind, true_rank, B, H, S, D in shapes:
-            providers = (*sec.exact_providers, *(f"nystrom-{r}" for r in sec.ranks if r <= S // 2), "policy")
+            providers = (*sec.exact_providers, *(f"{m}-{r}" for m in LOW_RANK_METHODS for r in sec.ranks
+                                                  if r <= S // 2), "policy")
             out.append(Case(
                 case_id=f"G2-C1/{kind}-b{B}-h{H}-s{S}-d{D}-{sec.dtype}", table_id="G2-C1", providers=providers,
                 modes=("fwd",), config={"inputs": kind, "true_rank": true_rank, "batch": B, "heads": H, "seq_len": S,
@@ -158,11 +175,11 @@ class RankStudy:
     def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
         q, k, v = (t.detach().requires_grad_(requires_grad) for t in self.inputs(case))
         if provider == "policy":
-            r, _ = self.policy(case)
-            provider = f"nystrom-{r}" if r is not None else "sdpa"
-        if provider.startswith("nystrom-"):
-            r = int(provider.removeprefix("nystrom-"))
-            fn = lambda: nystrom_attention(q, k, v, r)  # noqa: E731
+            choice, _ = self.policy(case)
+            provider = f"{choice.method}-{choice.rank}" if choice is not None else "sdpa"
+        low = low_rank_of(provider)
+        if low is not None:
+            fn = lambda: low_rank_attention(q, k, v, low)  # noqa: E731
         else:
             run = BACKENDS[provider].run
             fn = lambda: run(q, k, v, None, False, None)  # noqa: E731
@@ -194,30 +211,28 @@ class RankStudy:
             rows += self._side_by_side() + self._solve_floor(params)
         return rows
 
-    def _goal_cases(self) -> list[tuple[Case, list[int]]]:
-        """The cases the low-rank goal covers (S >= GOAL_MIN_LEN) and their landmark counts of at most
-        S / GOAL_RANK_DIV."""
+    def _goal_cases(self) -> list[tuple[Case, list[str]]]:
+        """The cases the low-rank goal covers (S >= GOAL_MIN_LEN) and their low-rank providers of at most
+        S / GOAL_RANK_DIV landmarks."""
         out = []
         for case in self._cases:
             S = case.config["seq_len"]
-            ranks = [int(p.removeprefix("nystrom-")) for p in case.providers if p.startswith("nystrom-")]
-            ranks = [r for r in ranks if r <= S // GOAL_RANK_DIV]
-            if S >= GOAL_MIN_LEN and ranks:
-                out.append((case, ranks))
+            low = [p for p in case.providers if (c := low_rank_of(p)) and c.rank <= S // GOAL_RANK_DIV]
+            if S >= GOAL_MIN_LEN and low:
+                out.append((case, low))
         return out
 
     def _side_by_side(self) -> list[dict]:
-        """``side_by_side_ms`` of the goal's cases: the exact backends and ``nystrom-<r>``, interleaved."""
+        """``side_by_side_ms`` of the goal's cases: the exact backends and the low-rank paths, interleaved."""
         groups = []
-        for case, ranks in self._goal_cases():
+        for case, low in self._goal_cases():
             exact = [p for p in self._sec.exact_providers if self.unavailable(p, self.device) is None]
-            names = exact + [f"nystrom-{r}" for r in ranks]
+            names = exact + low
             base = {"table_id": "G2-C1", "case_id": case.case_id, "kernel": "", **case.config}
             groups.append((base, "fwd", {p: functools.partial(self.setup, case, p, False) for p in names}))
         lo, hi = self.side_by_side_rounds
-        # every landmark count is kept: the goal reads each one's speedup, however slow
-        return side_by_side_rows(groups, self.device, keep=[n for _, _, b in groups for n in b if
-                                                            n.startswith("nystrom-")],
+        # every low-rank path is kept: the goal reads each one's speedup, however slow
+        return side_by_side_rows(groups, self.device, keep=[n for _, _, b in groups for n in b if low_rank_of(n)],
                                  budget_ms=self.side_by_side_ms, min_rounds=lo, max_rounds=hi)
 
     def _solve_floor(self, params: Params) -> list[dict]:
@@ -230,10 +245,10 @@ class RankStudy:
         timer = make_timer(dev, params.bench)
         rows, seen = [], set()
         gen = torch.Generator(device=dev).manual_seed(0)
-        for case, ranks in self._goal_cases():
+        for case, low in self._goal_cases():
             c = case.config
             n = c["batch"] * c["heads"]
-            for r in ranks:
+            for r in sorted({x.rank for x in map(low_rank_of, low) if x.method == "nystrom"}):  # pooled: no solve
                 if (n, r, c["head_dim"]) in seen:
                     continue
                 seen.add((n, r, c["head_dim"]))
@@ -279,24 +294,26 @@ class RankStudy:
                 if full is not None:
                     rows.append({**head, "metric": "spectrum_rank_full", "value": full[h].item(),
                                  "unit": f"singular values holding {ENERGY:.0%} (full matrix, batch element 0)"})
-            r, seen = self.policy(case)
+            choice, seen = self.policy(case)
             pol = {**base, "provider": "policy"}
-            rows.append({**pol, "metric": "policy_rank", "value": r if r is not None else 0,
-                         "unit": "landmarks (0: exact path)",
-                         "reason": "" if r is not None else self._why_exact(seen)})
+            # kernel: the low-rank path the policy took
+            rows.append({**pol, "metric": "policy_rank", "value": choice.rank if choice is not None else 0,
+                         "unit": "landmarks (0: exact path)", "kernel": choice.method if choice is not None else "",
+                         "reason": "" if choice is not None else self._why_exact(seen)})
             rows.append({**pol, "metric": "policy_tolerance", "value": self._sec.error_tolerance,
                          "unit": "rel L2 the policy accepts on its sampled rows"})
             if seen["estimate"] is not None:
                 rows.append({**pol, "metric": "policy_estimate", "value": seen["estimate"], "unit": "rank"})
-            if seen["sample_rel_error"] is not None:
-                rows.append({**pol, "metric": "policy_sample_rel_l2", "value": seen["sample_rel_error"],
-                             "unit": f"rel L2 of {seen['tried']} landmarks on the sampled rows"})
+            for method, err in seen["sample_rel_error"].items():
+                rows.append({**pol, "metric": f"policy_sample_rel_l2_{method}", "value": err,
+                             "unit": f"rel L2 of {seen['tried']} landmarks ({method}) on the sampled rows"})
         return rows
 
     def _why_exact(self, seen: dict) -> str:
         if seen["tried"] is None:
             return f"estimate {seen['estimate']} is not clearly low (> sample/2 or > S/16)"
-        return f"{seen['tried']} landmarks: sampled rel L2 {seen['sample_rel_error']:.3g} > {self._sec.error_tolerance}"
+        errs = ", ".join(f"{m} {e:.3g}" for m, e in seen["sample_rel_error"].items())
+        return f"{seen['tried']} landmarks: sampled rel L2 {errs} > {self._sec.error_tolerance}"
 
     @staticmethod
     def _full_rank(q: Tensor, k: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
-"""Report of the rank study (G2-C1's adaptive rank): Nyström error and speed by rank and length,
-the rank estimators, the policy vs the oracle rank, and the low-rank speed goal. From the results
-table only (see ``rank.py``)."""
+"""Report of the rank study (G2-C1's adaptive rank): the low-rank paths' (Nyström, pooled) error and
+speed by rank and length, the rank estimators, the policy vs the oracle rank, and the low-rank speed
+goal. From the results table only (see ``rank.py``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pandas as pd
 import seaborn as sns
 
 from adaattn.attention.nystrom_triton import fused_solve
-from adaattn.attention.rank import PINV_ITERS, PINV_MATMULS_PER_ITER
+from adaattn.attention.rank import LOW_RANK_METHODS, PINV_ITERS, PINV_MATMULS_PER_ITER
 from adaattn.report.common import Section, Verdict, fmt, md_table, save_figure
-from adaattn_experiments.rank import GOAL_MIN_LEN, GOAL_RANK_DIV
+from adaattn_experiments.rank import GOAL_MIN_LEN, GOAL_RANK_DIV, low_rank_of
 from adaattn_experiments.side_by_side import BURST, CI_LEVEL
 
 GOAL_SPEEDUP = 2.0  # low-rank at rank <= S/16 at least 2x faster than the best exact backend at S >= 8192
@@ -37,13 +37,14 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     heads_of = (ok["batch"] * ok["heads"]).groupby(ok["case_id"]).first().dropna().astype(int).to_dict()
     floors = _solve_floors(ok)
     parts, rows, goal_rows = [], [], []
-    err = ok[(ok["metric"] == "rel_l2") & ok["provider"].str.startswith("nystrom-")].copy()
-    err["landmarks"] = err["provider"].str.removeprefix("nystrom-").astype(int)
+    err = ok[(ok["metric"] == "rel_l2") & ok["provider"].map(lambda p: low_rank_of(p) is not None)].copy()
+    err["method"] = err["provider"].map(lambda p: low_rank_of(p).method)
+    err["landmarks"] = err["provider"].map(lambda p: low_rank_of(p).rank)
     for target, f in err.groupby("target"):
-        grid = sns.relplot(data=f, x="landmarks", y="value", hue="seq_len", col="inputs", kind="line", marker="o",
-                           height=2.6, aspect=1.1, palette="viridis", errorbar=None, col_wrap=3)
+        grid = sns.relplot(data=f, x="landmarks", y="value", hue="seq_len", style="method", col="inputs", kind="line",
+                           marker="o", height=2.6, aspect=1.1, palette="viridis", errorbar=None, col_wrap=3)
         grid.set(xscale="log", yscale="log")
-        grid.set_axis_labels("Nyström landmarks", "relative L2 error vs float64")
+        grid.set_axis_labels("landmarks (segments)", "relative L2 error vs float64")
         name = f"g2_c1_error_{target}.png"
         save_figure(grid.figure, out_dir / name)
         parts.append(f"![error by rank, {target}]({out_dir.name}/{name})\n")
@@ -58,16 +59,19 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         parts.append(f"![entropy rank vs sampled spectrum rank per head, {target}]({out_dir.name}/{name})\n")
     policy = ok[ok["provider"] == "policy"].pivot_table(index="case_id", columns="metric", values="value")
     reasons = runs[runs["metric"] == "policy_rank"].set_index("case_id")["reason"]
+    policy_path = runs[runs["metric"] == "policy_rank"].set_index("case_id")["kernel"].fillna("")
     est_mean = est.groupby("case_id")[[c for c in ("spectrum_rank_sampled", "spectrum_rank_full", "entropy_rank")
                                        if c in est]].mean()
     for idx, r in timed.iterrows():
         target, hw, case_id, inputs, true_rank, S, D = idx
         times, errs = r["time_ms"].dropna(), r["rel_l2"].dropna()
         ktimes = r["kernel_ms"].dropna() if "kernel_ms" in r.index.get_level_values(0) else pd.Series(dtype=float)
-        exact = [p for p in times.index if not p.startswith("nystrom-") and p != "policy"]
+        exact = [p for p in times.index if low_rank_of(p) is None and p != "policy"]
         best = min(exact, key=lambda p: times[p]) if exact else None
-        ny = sorted((int(p.removeprefix("nystrom-")) for p in errs.index if p.startswith("nystrom-")))
-        oracle = next((n for n in ny if errs[f"nystrom-{n}"] <= tol), None)
+        # the low-rank paths by landmarks, the policy's order at equal landmarks (cheaper first)
+        low = sorted((c for c in map(low_rank_of, errs.index) if c is not None),
+                     key=lambda c: (c.rank, LOW_RANK_METHODS.index(c.method)))
+        oracle = next((c for c in low if errs[f"{c.method}-{c.rank}"] <= tol), None)
         pol = policy.loc[case_id] if case_id in policy.index else pd.Series(dtype=float)
         prank = int(pol.get("policy_rank", 0) or 0)
         e = est_mean.loc[case_id] if case_id in est_mean.index else pd.Series(dtype=float)
@@ -75,26 +79,29 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                      "sampled spectrum rank (mean over heads)": fmt(e.get("spectrum_rank_sampled")),
                      "full-matrix rank": fmt(e.get("spectrum_rank_full")),
                      "entropy rank": fmt(e.get("entropy_rank")),
-                     "policy landmarks": prank or "exact", "policy rel L2": fmt(errs.get("policy")),
+                     "policy path": f"{policy_path.get(case_id, '')} {prank}" if prank else "exact",
+                     "policy rel L2": fmt(errs.get("policy")),
                      "policy ms": fmt(times.get("policy")), "why exact": reasons.get(case_id, "") if not prank else "",
-                     f"oracle landmarks (rel L2 <= {tol:g})": oracle or "none",
+                     f"oracle path (rel L2 <= {tol:g})": str(oracle) if oracle else "none",
                      "best exact": best or "-", "best exact ms": fmt(times.get(best)) if best else "-"})
         if best and S >= GOAL_MIN_LEN:
             kbest = min(exact, key=lambda e: ktimes.get(e, float("inf"))) if len(ktimes) else None
             side = r["side_by_side_ms"].dropna() if "side_by_side_ms" in r.index.get_level_values(0) else None
             sbest = min((p for p in exact if p in side.index), key=lambda p: side[p], default=None) \
                 if side is not None else None
-            for n in ny:
-                p = f"nystrom-{n}"
+            for method, n in low:
+                p = f"{method}-{n}"
                 if n <= S // GOAL_RANK_DIV and p in times:
                     per_call = (side[sbest] / side[p] if sbest and p in side.index else float("nan")) \
                         if side is not None else times[best] / times[p]
-                    # the batched solve's cost; the fused path solves inside one kernel (not these launches)
-                    floor = {} if fused_solve(n, int(D)) else floors.get((heads_of.get(case_id), n, int(D)), {})
+                    # the batched solve's cost; the fused path solves inside one kernel (not these launches),
+                    # the pooled path solves nothing
+                    floor = {} if method != "nystrom" or fused_solve(n, int(D)) else \
+                        floors.get((heads_of.get(case_id), n, int(D)), {})
                     budget = (side[sbest] if sbest else times[best]) / GOAL_SPEEDUP
                     goal_rows.append({
-                        "target": target, "hardware": hw, "inputs": inputs, "S": int(S), "landmarks": n,
-                        "path": _path(names.get((case_id, p), ""), n, int(D)),
+                        "target": target, "hardware": hw, "inputs": inputs, "S": int(S), "method": method,
+                        "landmarks": n, "path": _path(method, names.get((case_id, p), ""), n, int(D)),
                         "speedup vs best exact": per_call,
                         "speedup by kernel time": (ktimes[kbest] / ktimes[p] if kbest in ktimes and p in ktimes
                                                    else float("nan")),
@@ -105,7 +112,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     verdicts = []
     per_call_basis = ("time per call, side by side" if (ok["metric"] == "side_by_side_ms").any()
                       else "time per call")
-    for (target, hw), f in goal.groupby(["target", "hardware"]) if len(goal) else []:
+    groups = goal.groupby(["target", "hardware", "method"]) if len(goal) else []
+    for (target, hw, method), f in sorted(groups, key=lambda g: LOW_RANK_METHODS.index(g[0][2])):
         for col, basis in (("speedup vs best exact", per_call_basis), ("speedup by kernel time", "kernel time")):
             x = f[col].dropna()
             if x.empty:
@@ -113,8 +121,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             miss = f[f[col] < GOAL_SPEEDUP]
             holds = f[f[col] >= GOAL_SPEEDUP]
             verdicts.append(Verdict(
-                "G2-C1", f"goal: low-rank path (landmarks <= S/{GOAL_RANK_DIV}) >= {GOAL_SPEEDUP}x the best exact "
-                f"backend at S >= {GOAL_MIN_LEN}, by {basis}", "(issue goal)",
+                "G2-C1", f"goal: low-rank path ({method}, landmarks <= S/{GOAL_RANK_DIV}) >= {GOAL_SPEEDUP}x the "
+                f"best exact backend at S >= {GOAL_MIN_LEN}, by {basis}", "(issue goal)",
                 f"{x.min():.2f}-{x.max():.2f}x over {len(x)} points; {len(miss)} below {GOAL_SPEEDUP}x"
                 + (f" (holds up to {int(holds['landmarks'].max())} landmarks at some S)" if len(holds) else ""),
                 hw, "holds" if miss.empty else "does not hold",
@@ -127,7 +135,10 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             shown[col] = shown[col].map(fmt)
     real = sorted({i for i in runs["inputs"].dropna().unique() if str(i).startswith("minilm-l")})
     md = ("\n".join(parts) + "\nPer case: the estimators (mean over heads), the policy's choice and error, the "
-          f"oracle (fewest landmarks of the sweep with rel L2 <= {tol:g}), and the best exact backend."
+          f"oracle (the low-rank path of fewest landmarks in the sweep with rel L2 <= {tol:g}; pooled first at equal "
+          "landmarks, as the policy tries them), and the best exact backend. Low-rank paths: `nystrom` (Nyström "
+          "with segment-mean landmarks, an r x r pseudo-inverse) and `pooled` (attention over the segment means of "
+          "the keys and values: no solve, more error where keys vary within a segment; `src/adaattn/attention/rank.py`)."
           + (f" Real inputs ({', '.join(real)}): the queries, keys and values of that layer of all-MiniLM-L6-v2 "
              "(12 heads of 32 dims) over a window of Python's language reference (`experiments/minilm.py`), "
              "captured once by the `real_inputs` stage and read by every target"
@@ -140,18 +151,18 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "timed side by side after the sweep (one turn of each per round in a shuffled order, a turn "
           f"{BURST} calls on a flushed, drained queue, the first not counted, the other {BURST - 1} back to back and "
           "timed together; after a first block of rounds an exact backend that another beats with "
-          f"{CI_LEVEL:.0%} confidence leaves the rounds: `experiments/side_by_side.py`); kernel time: the sweep's interleaved kernel traces. "
-          "The budget is the "
-          f"time the whole low-rank call may take ({GOAL_SPEEDUP:g}x faster than the best exact). The r x r "
+          f"{CI_LEVEL:.0%} confidence leaves the rounds: `experiments/side_by_side.py`); kernel time: the sweep's "
+          "interleaved kernel traces. Each low-rank path has its verdict. The budget is the time the whole "
+          f"low-rank call may take ({GOAL_SPEEDUP:g}x faster than the best exact). Nyström's r x r "
           f"solve's cost on this GPU: the pseudo-inverse's {PINV_ITERS * PINV_MATMULS_PER_ITER} batched products "
           f"({PINV_ITERS} Newton-Schulz iterations of {PINV_MATMULS_PER_ITER}) as cuBLAS runs them in fp32 and in "
           "bf16, and a direct LU solve (`torch.linalg.solve`, fp32), shown where the path solves by batched "
           "products (replayed from a CUDA graph on a GPU; the fused path, up to 128 landmarks, solves inside one "
-          "kernel instead); a solve above the "
+          "kernel instead; the pooled path solves nothing); a solve above the "
           "budget rules the goal out at that size for a solve made of those launches.\n\n"
           + (md_table(shown) if len(shown) else "no point of this sweep has S >= "
                                  f"{GOAL_MIN_LEN} (the CPU profile)") + "\n")
-    return [Section("G2-C1", "Adaptive rank (rank estimate, Nyström path, policy)", md, verdicts)]
+    return [Section("G2-C1", "Adaptive rank (rank estimate, low-rank paths, policy)", md, verdicts)]
 
 
 def _solve_floors(ok: pd.DataFrame) -> dict[tuple[int, int, int], dict[str, float]]:
@@ -185,8 +196,10 @@ def _floor_reason(f: pd.DataFrame) -> str:
     return out
 
 
-def _path(kernels: str, landmarks: int, head_dim: int) -> str:
-    """Which Nyström implementation a timed call ran, from its recorded kernel names."""
+def _path(method: str, kernels: str, landmarks: int, head_dim: int) -> str:
+    """Which implementation a timed low-rank call ran (Nyström's from its recorded kernel names)."""
+    if method == "pooled":
+        return "SDPA over segment means"
     if not FUSED.search(kernels):
         return "PyTorch"
     return "fused Triton" if fused_solve(landmarks, head_dim) else "Triton, batched solve (CUDA graph)"

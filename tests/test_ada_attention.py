@@ -621,8 +621,9 @@ def test_nystrom_is_exact_on_block_low_rank_keys_and_chunked_is_exact():
 def test_rank_modes_pick_the_path():
     torch.manual_seed(4)
     x = torch.randn(1, 1024, E)
-    for mode, expect in [("full", "full"), (16, "low-rank 16")]:
-        ada = AdaAttention(E, H, rank_mode=mode, kernel_manager=AttentionKernelManager())
+    for mode, method, expect in [("full", "auto", "full"), (16, "auto", "low-rank nystrom 16"),
+                                 (16, "nystrom", "low-rank nystrom 16"), (16, "pooled", "low-rank pooled 16")]:
+        ada = AdaAttention(E, H, rank_mode=mode, low_rank_method=method, kernel_manager=AttentionKernelManager())
         ada(x, x, x)
         assert ada.get_statistics()["ranks"] == {expect: 1}
     ada = AdaAttention(E, H, rank_mode=16, kernel_manager=AttentionKernelManager())
@@ -640,28 +641,99 @@ def test_rank_modes_pick_the_path():
         assert any("sampled rows' relative error" in k for k in stats["low_rank_skipped"]) == tried, stats
 
 
-def _clustered(S: int, r: int, contiguous: bool, seed: int = 0) -> torch.Tensor:
+def _clustered(S: int, r: int, contiguous: bool, seed: int = 0, noise: float = 0.05) -> torch.Tensor:
     centres = torch.randn(r, 32, generator=torch.Generator().manual_seed(0))  # shared by q and k
     g = torch.Generator().manual_seed(seed)
     which = torch.arange(S) * r // S if contiguous else torch.randint(0, r, (S,), generator=g)
-    return (centres[which] + 0.05 * torch.randn(S, 32, generator=g))[None, None]
+    return (centres[which] + noise * torch.randn(S, 32, generator=g))[None, None]
 
 
 def test_rank_policy_takes_low_rank_only_when_its_sampled_error_is_small():
     """Rank-8 attention either way; segment-mean landmarks fit contiguous clusters, not spread ones."""
-    from adaattn.attention.rank import choose_rank
+    from adaattn.attention.rank import LowRank, choose_rank
 
     v = torch.randn(1, 1, 1024, 32)
-    q, k = _clustered(1024, 8, True, 1), _clustered(1024, 8, True, 2)
-    r, seen = choose_rank(q, k, v, sample=64, min_len=512)
-    assert seen["estimate"] == 8 and r == 16 and seen["sample_rel_error"] < 0.05
-    torch.testing.assert_close(nystrom_attention(q, k, v, r), _sdpa_ref(q, k, v).float(), atol=2e-2, rtol=0)
+    q, k = _clustered(1024, 8, True, 1), _clustered(1024, 8, True, 2, noise=0.1)
+    r, seen = choose_rank(q, k, v, sample=64, min_len=512, methods=("nystrom",))
+    assert seen["estimate"] == 8 and r == LowRank("nystrom", 16) and seen["sample_rel_error"]["nystrom"] < 0.05
+    torch.testing.assert_close(nystrom_attention(q, k, v, r.rank), _sdpa_ref(q, k, v).float(), atol=2e-2, rtol=0)
     q, k = _clustered(1024, 8, False, 1), _clustered(1024, 8, False, 2)
     r, seen = choose_rank(q, k, v, sample=64, min_len=512)
-    assert seen["estimate"] == 8 and seen["tried"] == 16 and r is None and seen["sample_rel_error"] > 0.05
+    assert seen["estimate"] == 8 and seen["tried"] == 16 and r is None
+    assert seen["sample_rel_error"].keys() == {"pooled", "nystrom"} and min(seen["sample_rel_error"].values()) > 0.05
     # shorter than min_len: no estimate at all
     assert choose_rank(q[:, :, :256], k[:, :, :256], v[:, :, :256], min_len=512) == (
-        None, {"estimate": None, "tried": None, "sample_rel_error": None})
+        None, {"estimate": None, "tried": None, "sample_rel_error": {}})
+    with pytest.raises(ValueError, match="methods must be a non-empty tuple of: pooled, nystrom"):
+        choose_rank(q, k, v, methods=("pca",))
+
+
+def test_rank_policy_tries_the_pooled_path_first():
+    """Keys equal within each segment: pooling is exact and the policy stops there; keys that vary
+    within a segment (noise 0.1) fail the pooled path's check and pass Nyström's."""
+    from adaattn.attention.rank import LowRank, choose_rank
+
+    v = torch.randn(1, 1, 1024, 32)
+    q = _clustered(1024, 8, True, 1)
+    r, seen = choose_rank(q, _clustered(1024, 8, True, 2, noise=0.0), v, sample=64, min_len=512)
+    assert r == LowRank("pooled", 16) and list(seen["sample_rel_error"]) == ["pooled"]
+    assert seen["sample_rel_error"]["pooled"] < 1e-5
+    r, seen = choose_rank(q, _clustered(1024, 8, True, 2, noise=0.1), v, sample=64, min_len=512)
+    assert r == LowRank("nystrom", 16) and list(seen["sample_rel_error"]) == ["pooled", "nystrom"]
+    assert seen["sample_rel_error"]["pooled"] > 0.05 > seen["sample_rel_error"]["nystrom"]
+    # the module: the same choice, and the reason when neither path passes
+    x = torch.randn(1, 1024, E)
+    for method, tried in [("auto", ["pooled", "nystrom"]), ("pooled", ["pooled"])]:
+        ada = AdaAttention(E, H, rank_mode="auto", low_rank_method=method, min_low_rank_len=512,
+                           kernel_manager=AttentionKernelManager())
+        ada(x, x, x)
+        (why,) = ada.get_statistics()["low_rank_skipped"]
+        assert [m for m in ("pooled", "nystrom") if f"{m} " in why] == tried, why
+
+
+def test_pooled_attention_is_exact_on_keys_equal_within_segments(monkeypatch):
+    """Uneven segments (a log-size bias), GQA, a subset of rows, float64; and differentiable. The
+    PyTorch path (the fused one: test_nystrom_triton.py)."""
+    import adaattn.attention.rank as rank_mod
+    from adaattn.attention.rank import pooled_attention
+
+    monkeypatch.setattr(rank_mod, "use_triton", lambda *t: False)
+
+    torch.manual_seed(0)
+    for S, r in [(96, 8), (100, 7)]:
+        bounds = torch.arange(r + 1) * S // r
+        seg = torch.bucketize(torch.arange(S), bounds[1:], right=True)  # segment of each key
+        k = torch.randn(1, 2, r, 16, dtype=torch.float64)[:, :, seg]  # equal within a segment
+        q = torch.randn(1, 4, 33, 16, dtype=torch.float64)
+        v = torch.randn(1, 2, S, 16, dtype=torch.float64)
+        rep = [t.repeat_interleave(2, dim=1) for t in (k, v)]
+        ref = _sdpa_ref(q, *rep)
+        torch.testing.assert_close(pooled_attention(q, k, v, r), ref, atol=1e-10, rtol=1e-10)
+        rows = torch.tensor([0, 5, 32])
+        torch.testing.assert_close(pooled_attention(q, k, v, r, rows=rows), ref[:, :, rows], atol=1e-10, rtol=1e-10)
+    # bf16: the means of equal segments in one reduction each, the same bits as fp32 means rounded once
+    from adaattn.attention.rank import _segment_means
+
+    qb, kb, vb = (torch.randn(1, 2, 256, 16).bfloat16() for _ in range(3))
+    means = [_segment_means(t, 16).bfloat16() for t in (kb, vb)]
+    assert torch.equal(pooled_attention(qb, kb, vb, 16), F.scaled_dot_product_attention(qb, *means))
+    q, k, v = (torch.randn(1, 2, 64, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradcheck(lambda q, k, v: pooled_attention(q, k, v, 6), (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: pooled_attention(q, k, v, 8), (q, k, v))
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        pooled_attention(q, k, v, 0)
+
+
+def test_setting_a_rank_policy_attribute_drops_its_cached_choices():
+    x = torch.randn(1, 1024, E)
+    ada = AdaAttention(E, H, rank_mode="auto", min_low_rank_len=512, kernel_manager=AttentionKernelManager())
+    ada(x, x, x)
+    assert ada._rank_choice
+    ada.low_rank_method = "pooled"
+    assert not ada._rank_choice
+    ada(x, x, x)
+    (why,) = [w for w in ada.get_statistics()["low_rank_skipped"] if "nystrom" not in w]
+    assert "pooled" in why
 
 
 # --------------------------------------------------------------------------- bad arguments
@@ -669,6 +741,7 @@ def test_rank_policy_takes_low_rank_only_when_its_sampled_error_is_small():
 
 @pytest.mark.parametrize("kw,match", [
     ({"rank_mode": 0}, "rank_mode"), ({"rank_mode": "low"}, "rank_mode"), ({"precision_mode": "fp8"}, "precision_mode"),
+    ({"low_rank_method": "pca"}, "low_rank_method 'pca' is not one of: auto, pooled, nystrom"),
     ({"num_kv_heads": 3}, "num_kv_heads"), ({"embed_dim": 50}, "divisible"), ({"dropout": 1.5}, "dropout"),
 ])
 def test_bad_arguments_are_rejected(kw, match):

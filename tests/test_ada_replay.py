@@ -294,7 +294,7 @@ def test_changing_a_policy_setting_drops_the_plans():
     _calls(ada, x, 1)
     _calls(ada, x, 2, is_causal=True)  # causal: exact, and counted as skipped on every call
     stats = ada.get_statistics()
-    assert stats["ranks"] == {"full": 5, "low-rank 8": 1}
+    assert stats["ranks"] == {"full": 5, "low-rank nystrom 8": 1}
     assert stats["low_rank_skipped"] == {ada_mod.MASKED: 2}
     ada.eval()  # not a policy setting: the plans stay
     assert len(ada._plans) == 2

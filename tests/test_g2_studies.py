@@ -149,10 +149,13 @@ def test_rank_study_policy_estimators_and_oracle():
     df = _run(STUDY, params)
     pol = df[df.metric == "policy_rank"].set_index("inputs")
     assert pol.loc["contiguous-r8", "value"] == 16  # 2 x the estimate, accepted on its sampled error
-    assert pol.loc["spread-r8", "value"] == 0 and "rel L2" in pol.loc["spread-r8", "reason"]
+    assert pol.loc["contiguous-r8", "kernel"] in ("pooled", "nystrom") and pol.loc["random", "kernel"] == ""
+    assert pol.loc["spread-r8", "value"] == 0 and "rel L2 pooled" in pol.loc["spread-r8", "reason"]
+    assert "nystrom" in pol.loc["spread-r8", "reason"]  # both paths tried, both too far off
     assert pol.loc["random", "value"] == 0 and "not clearly low" in pol.loc["random", "reason"]
     err = df[df.metric == "rel_l2"].pivot_table(index="inputs", columns="provider", values="value")
     assert err.loc["contiguous-r8", "nystrom-8"] < 0.05 and err.loc["spread-r8", "nystrom-32"] > 0.3
+    assert err.loc["contiguous-r8", "pooled-8"] < 0.1 and err.loc["spread-r8", "pooled-32"] > 0.3
     assert err.loc["contiguous-r8", "policy"] < 0.05 and err.loc["spread-r8", "policy"] < 1e-5
     est = df[df.provider == "estimator"].pivot_table(index=["inputs", "head"], columns="metric", values="value")
     assert len(est) == 3 * params.g2_c1.cpu.heads
@@ -175,7 +178,7 @@ def test_reports_render_from_results(tmp_path):
     sections = render_precision(_run(PRECISION, params), tmp_path)
     assert sections[0].table_id == "G2-T3" and {v.table_id for v in sections[0].verdicts} == {"G2-T3", "G2-T2"}
     (section,) = render_rank(_run(RANK, params), tmp_path)
-    assert "oracle landmarks" in section.markdown and (tmp_path / "g2_c1_error_cpu.png").exists()
+    assert "oracle path" in section.markdown and (tmp_path / "g2_c1_error_cpu.png").exists()
     df = _run(CPU_BASELINE, params)
     # G2-T1's providers side by side, none left out, and adaattn's per-round ratio to each of the others
     side = df[df.metric == "side_by_side_ms"]
@@ -217,9 +220,11 @@ def test_rank_goal_reads_both_timings_and_names_the_path(tmp_path):
     (section,) = render_rank(pd.concat([df, kernel], ignore_index=True), tmp_path)
     goal = section.markdown.split("### Goal")[1]
     cells = {c.strip() for line in goal.splitlines() for c in line.split("|")}
-    assert {"fused Triton", "PyTorch", "speedup by kernel time"} <= cells
+    assert {"fused Triton", "PyTorch", "SDPA over segment means", "speedup by kernel time"} <= cells
     bases = {v.claim.rsplit("by ", 1)[1] for v in section.verdicts}
     assert bases == {"time per call", "kernel time"}
+    # one verdict per low-rank path and basis, the pooled path first (as the policy tries them)
+    assert [v.claim.split("(")[1].split(",")[0] for v in section.verdicts] == ["pooled"] * 2 + ["nystrom"] * 2
 
 
 def test_rank_goal_reads_side_by_side_times_and_the_solve_floor(tmp_path, monkeypatch):
@@ -238,18 +243,24 @@ def test_rank_goal_reads_side_by_side_times_and_the_solve_floor(tmp_path, monkey
     df = _run(RANK, params)
     df.loc[df["seq_len"] == 256, "seq_len"] = 8192  # as if measured at S = 8192 (landmarks <= S/16)
     times = df[(df["metric"] == "time_ms") & (df["case_id"] != "machine") & (df["provider"] != "policy")]
-    # side by side: sdpa 1 ms, nystrom-8 0.25 ms (4x), nystrom-16 0.8 ms (1.25x); the sweep's own times differ
+    # side by side: sdpa 1 ms, nystrom-8 0.25 ms (4x), nystrom-16 0.8 ms (1.25x), pooled-8 0.1 ms (10x),
+    # pooled-16 0.2 ms (5x); the sweep's own times differ
     side = times.assign(metric="side_by_side_ms", value=times["provider"].map(
-        {"sdpa": 1.0, "nystrom-8": 0.25, "nystrom-16": 0.8}))
+        {"sdpa": 1.0, "nystrom-8": 0.25, "nystrom-16": 0.8, "pooled-8": 0.1, "pooled-16": 0.2}))
     c = times.iloc[0]
     floor = [{**c.to_dict(), "case_id": f"G2-C1/solve-floor-r{r}", "provider": f"solve-{r}", "metric": m,
               "value": v, "inputs": None, "true_rank": None, "seq_len": None}
              for r, vals in ((8, (5.0, 5.0, 5.0)), (16, (2.0, 0.9, 0.7)))
              for m, v in zip(("pinv_fp32_ms", "pinv_bf16_ms", "lu_solve_ms"), vals)]
     (section,) = render_rank(pd.concat([df, side, pd.DataFrame(floor)], ignore_index=True), tmp_path)
-    per_call = next(v for v in section.verdicts if v.claim.endswith("side by side"))
-    assert per_call.measured.startswith("1.25-4.00x over 2 points; 1 below")
-    assert "at 1 of 2 points (16-16 landmarks, solved by batched products) the r x r solve alone" in per_call.reason
+    per_call = {v.claim.split("(")[1].split(",")[0]: v for v in section.verdicts if v.claim.endswith("side by side")}
+    assert per_call["nystrom"].measured.startswith("1.25-4.00x over 2 points; 1 below")
+    assert per_call["nystrom"].verdict == "does not hold"
+    assert "at 1 of 2 points (16-16 landmarks, solved by batched products) the r x r solve alone" in \
+        per_call["nystrom"].reason
+    # the pooled path solves nothing: no solve floor in its reason
+    assert per_call["pooled"].measured.startswith("5.00-10.00x over 2 points; 0 below")
+    assert per_call["pooled"].verdict == "holds" and "solve" not in per_call["pooled"].reason
     goal = section.markdown.split("### Goal")[1]
     assert "pinv products ms (cuBLAS bf16)" in goal and "2x budget ms" in goal
 

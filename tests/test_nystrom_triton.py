@@ -1,4 +1,5 @@
-"""The fused Nyström forward (attention/nystrom_triton.py) against the PyTorch path, and which path runs.
+"""The fused Nyström and pooled forwards (attention/nystrom_triton.py) against the PyTorch paths, and
+which path runs.
 
 On a CPU machine the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
 The interpreter rounds fp32 to bf16 by truncation (a GPU rounds to nearest even), so bf16 outputs
@@ -12,7 +13,14 @@ import torch
 
 import adaattn.attention.rank as rank_mod
 from adaattn.attention.nystrom_triton import MAX_FUSED_SOLVE_RANK, MAX_HEAD_DIM, MAX_RANK, fused_solve
-from adaattn.attention.rank import _pinv, _segment_means, nystrom_attention, nystrom_path
+from adaattn.attention.rank import (
+    _pinv,
+    _segment_means,
+    nystrom_attention,
+    nystrom_path,
+    pooled_attention,
+    pooled_path,
+)
 from adaattn.kernels import set_use_triton_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -274,3 +282,45 @@ def test_graphed_batched_solve_from_threads_on_one_stream():
         t.join()
     torch.cuda.synchronize()
     assert all(torch.equal(out, alone[i]) for i, outs in results.items() for out in outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", [
+    (1, 2, 2, 64, 64, 16, 8),      # one head each
+    (2, 4, 2, 100, 132, 24, 12),   # GQA 2:1, L != S, head dim not a power of two
+    (1, 4, 1, 96, 198, 64, 33),    # GQA 4:1 (MQA), odd rank
+    (1, 2, 2, 80, 512, 32, 256),   # landmarks in two blocks of the output pass
+], ids=["plain", "gqa", "mqa-odd-rank", "two-landmark-blocks"])
+def test_fused_pooled_matches_the_torch_path(shape, dtype):
+    B, Hq, Hkv, L, S, D, r = shape
+    q, k, v = _qkv(B, Hq, Hkv, L, S, D, dtype, strided=True)
+    assert pooled_path(q, k, v, r) == "triton"
+    out = pooled_attention(q, k, v, r)
+    rows = torch.tensor([0, 3, L - 1], device=DEVICE)
+    with pytest.MonkeyPatch().context() as m:
+        m.setattr(rank_mod, "use_triton", lambda *t: False)
+        assert pooled_path(q, k, v, r).startswith("torch")
+        ref = pooled_attention(q, k, v, r)
+    assert out.shape == ref.shape == (B, Hq, L, D) and out.dtype == dtype
+    assert _rel(out, ref) < RTOL[dtype]
+    torch.testing.assert_close(pooled_attention(q, k, v, r, rows=rows), out[:, :, rows], atol=0, rtol=0)
+
+
+def test_fused_pooled_equals_float64_on_its_own_means():
+    q, k, v = _qkv(1, 2, 2, 96, 160, 32, torch.float32)
+    r, sc = 20, 1 / math.sqrt(32)
+    kl, vl = (_segment_means(t.double(), r, torch.float64) for t in (k, v))
+    ref = torch.softmax(q.double() @ kl.mT * sc, -1) @ vl
+    assert pooled_path(q, k, v, r) == "triton" and _rel(pooled_attention(q, k, v, r), ref) < 1e-5
+
+
+def test_pooled_path_choice_and_reasons():
+    q, k, v = _qkv(1, 2, 2, 64, 64, 16, torch.float32)
+    assert pooled_path(q, k, v, 8) == "triton"
+    assert "not a multiple of rank 7" in pooled_path(q, k, v, 7)  # segments of unequal size: a bias
+    assert "autograd" in pooled_path(q.requires_grad_(), k, v, 8)
+    q = q.detach()
+    assert "float64" in pooled_path(q.double(), k.double(), v.double(), 8)
+    assert "float16" in pooled_path(q, k.half(), v.half(), 8)  # mixed dtypes
+    wide = torch.randn(1, 1, 2 * MAX_RANK + 2, 16, device=DEVICE)
+    assert f"rank {MAX_RANK + 1} > {MAX_RANK}" in pooled_path(wide, wide, wide, MAX_RANK + 1)

@@ -11,8 +11,9 @@ so its ``state_dict`` loads as it is. ``num_kv_heads`` < ``num_heads`` is GQA. U
 ``nn.MultiheadAttention``, ``is_causal=True`` needs no mask.
 
 Per call: the precision policy (``precision.py``) picks the compute dtype; ``rank_mode`` picks
-the exact path or the Nyström low-rank path (``rank.py``; "auto" estimates the rank of the first
-call of each signature, and only unmasked attention of ``min_low_rank_len`` keys or more goes
+the exact path or a low-rank path (``rank.py``: Nyström or pooled segment means,
+``low_rank_method``; "auto" estimates the rank of the first call of each signature and tries the
+paths on sampled rows, and only unmasked attention of ``min_low_rank_len`` keys or more goes
 low-rank); the exact path goes through the kernel manager (``kernel_manager.py``), which runs
 the fastest backend measured on this machine for the inputs (timing this module's whole call with
 each backend: ``_call_of``). A later call like an earlier one
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Run, Signature, attention_probs
 from adaattn.attention.precision import PRECISION_MODES, PrecisionPolicy
-from adaattn.attention.rank import choose_rank, nystrom_attention
+from adaattn.attention.rank import LOW_RANK_METHODS, LowRank, choose_rank, low_rank_attention
 
 ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file for the shared manager's measured choices
 _shared: AttentionKernelManager | None = None
@@ -51,8 +52,12 @@ _module_call = nn.Module.__call__  # as torch defines it (torch.fx's tracer patc
 MAX_PLANS = 256  # replay plans per module, one per kind of call; the oldest goes first
 MASKED = "masked or causal: the low-rank path has no mask"  # why a call of rank_mode auto or int went exact
 # what the policies read: setting one after construction drops the plans made under the old value
-POLICY_ATTRS = frozenset({"precision", "rank_mode", "rank_sample_rows", "min_low_rank_len", "max_rank_error",
-                          "kernel_manager", "enable_gpu_optimization", "dropout", "batch_first", "_rank_choice"})
+POLICY_ATTRS = frozenset({"precision", "rank_mode", "low_rank_method", "rank_sample_rows", "min_low_rank_len",
+                          "max_rank_error", "kernel_manager", "enable_gpu_optimization", "dropout", "batch_first",
+                          "_rank_choice"})
+# ... and of those, what the rank policy's cached choices (``_rank_choice``) were made under
+RANK_POLICY_ATTRS = frozenset({"rank_mode", "low_rank_method", "rank_sample_rows", "min_low_rank_len",
+                               "max_rank_error"})
 
 
 @dataclass(slots=True, eq=False)
@@ -80,7 +85,7 @@ class _Plan:
     q_dtype: torch.dtype  # the projections' dtype they were made for
     grad: bool  # a training signature (the projections need gradients)
     dtype: torch.dtype  # compute dtype
-    rank: int | None  # landmarks of the low-rank path, None: exact
+    rank: LowRank | None  # the low-rank path and its landmarks, None: exact
     run: Run  # the path: the manager's backend, the low-rank path or SDPA
     backend: str | None  # the manager's backend, None: the low-rank path or SDPA
     manager: AttentionKernelManager | None  # the backend's: it counts the calls and may stop the plan (``track``)
@@ -93,9 +98,9 @@ class _Plan:
     calls: int = 0
 
 
-def _low_rank(rank: int) -> Run:
+def _low_rank(choice: LowRank) -> Run:
     def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
-        return nystrom_attention(q, k, v, rank, scale=scale)  # planned only for unmasked, non-causal calls
+        return low_rank_attention(q, k, v, choice, scale=scale)  # planned only for unmasked, non-causal calls
 
     return run
 
@@ -143,7 +148,8 @@ class AdaAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  kdim: int | None = None, vdim: int | None = None, batch_first: bool = True,
                  num_kv_heads: int | None = None, enable_gpu_optimization: bool = True,
-                 precision_mode: str = "auto", rank_mode: str | int = "auto", rank_sample_rows: int = 64,
+                 precision_mode: str = "auto", rank_mode: str | int = "auto", low_rank_method: str = "auto",
+                 rank_sample_rows: int = 64,
                  min_low_rank_len: int = 1024, max_rank_error: float = 0.05, kernel_manager: AttentionKernelManager | None = None,
                  device=None, dtype=None):
         super().__init__()
@@ -160,6 +166,8 @@ class AdaAttention(nn.Module):
         if not (rank_mode in ("auto", "full") or (isinstance(rank_mode, int) and not isinstance(rank_mode, bool)
                                                   and rank_mode >= 1)):
             raise ValueError(f"rank_mode must be 'auto', 'full' or a positive int; got {rank_mode!r}")
+        if low_rank_method not in ("auto", *LOW_RANK_METHODS):
+            raise ValueError(f"low_rank_method {low_rank_method!r} is not one of: auto, {', '.join(LOW_RANK_METHODS)}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1); got {dropout}")
         factory = {"device": device, "dtype": dtype}
@@ -184,11 +192,13 @@ class AdaAttention(nn.Module):
         self.enable_gpu_optimization = enable_gpu_optimization
         self.precision = PrecisionPolicy(precision_mode)
         self.rank_mode, self.rank_sample_rows, self.min_low_rank_len = rank_mode, rank_sample_rows, min_low_rank_len
+        # "auto": the policy tries every low-rank path (cheaper first) and a fixed rank_mode runs Nyström
+        self.low_rank_method = low_rank_method
         if not max_rank_error > 0:
             raise ValueError(f"max_rank_error must be > 0; got {max_rank_error}")
         self.max_rank_error = max_rank_error
         self.kernel_manager = kernel_manager
-        self._rank_choice: dict[str, int | None] = {}  # signature -> landmarks (None: exact)
+        self._rank_choice: dict[str, LowRank | None] = {}  # signature -> low-rank path (None: exact)
         self._ranks: Counter[str] = Counter()
         self._precisions: Counter[torch.dtype] = Counter()
         self._low_rank_skipped: Counter[str] = Counter()
@@ -274,23 +284,25 @@ class AdaAttention(nn.Module):
             additive = additive.masked_fill(~allowed, float("-inf"))
         return additive, False
 
-    def _rank_for(self, key: str, q: Tensor, k: Tensor, v: Tensor, masked: bool) -> int | None:
-        """Landmarks of the low-rank path for this call, or None for the exact path."""
+    def _rank_for(self, key: str, q: Tensor, k: Tensor, v: Tensor, masked: bool) -> LowRank | None:
+        """The low-rank path and its landmarks for this call, or None for the exact path."""
         if self.rank_mode == "full":
             return None
         if masked:
             self._low_rank_skipped[MASKED] += 1
             return None
         if isinstance(self.rank_mode, int):
-            return self.rank_mode
+            return LowRank("nystrom" if self.low_rank_method == "auto" else self.low_rank_method, self.rank_mode)
         if key not in self._rank_choice:
+            methods = LOW_RANK_METHODS if self.low_rank_method == "auto" else (self.low_rank_method,)
             r, seen = choose_rank(q, k, v, sample=self.rank_sample_rows, min_len=self.min_low_rank_len,
-                                  max_rel_error=self.max_rank_error)
+                                  max_rel_error=self.max_rank_error, methods=methods)
             if seen["estimate"] is not None:
                 self._ranks[f"estimated {seen['estimate']}"] += 1
             if seen["tried"] is not None and r is None:
-                self._low_rank_skipped[f"{seen['tried']} landmarks: sampled rows' relative error "
-                                       f"{seen['sample_rel_error']:.3g} > {self.max_rank_error}"] += 1
+                errs = ", ".join(f"{m} {e:.3g}" for m, e in seen["sample_rel_error"].items())
+                self._low_rank_skipped[f"{seen['tried']} landmarks: sampled rows' relative error ({errs}) "
+                                       f"> {self.max_rank_error}"] += 1
             self._rank_choice[key] = r
         return self._rank_choice[key]
 
@@ -377,7 +389,7 @@ class AdaAttention(nn.Module):
         backend = None
         if rank is not None:
             self._ranks[f"low-rank {rank}"] += 1
-            out = nystrom_attention(qc, kc, vc, rank, scale=scale)
+            out = low_rank_attention(qc, kc, vc, rank, scale=scale)
         else:
             self._ranks["full"] += 1
             if self._through_manager():
@@ -506,6 +518,8 @@ class AdaAttention(nn.Module):
     def __setattr__(self, name: str, value) -> None:
         if name in POLICY_ATTRS:
             self._retire_all()  # before the change: the counts go to the policy that made the plans
+            if name in RANK_POLICY_ATTRS and "_rank_choice" in self.__dict__:
+                self.__dict__["_rank_choice"] = {}  # the rank policy's choices were made under the old value
         super().__setattr__(name, value)
 
     def _apply(self, fn, *args, **kwargs):

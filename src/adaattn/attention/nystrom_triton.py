@@ -1,4 +1,5 @@
-"""Nyström attention forward in four Triton launches (inference; ``rank.nystrom_attention`` picks it).
+"""Nyström attention forward in four Triton launches (inference; ``rank.nystrom_attention`` picks it),
+and the pooled low-rank path's forward in two of them (``rank.pooled_attention`` picks it).
 
 The PyTorch path runs some 90 small launches per call (segment means, softmaxes, casts, 6
 iterations of a 4-matmul pseudo-inverse), so on a GPU its time per call is host time and hardly
@@ -23,6 +24,9 @@ depends on S. Here the same maths runs in four kernels, all fp32 intermediates i
    every shape tried (S 4096-16384, 8-32 heads, 16-128 landmarks).
 4. ``_nystrom_out``: out = softmax(q K~^T) W, a flash forward with r keys (in blocks of at most
    128, an online softmax across them).
+
+The pooled low-rank path (``rank.pooled_attention``, ``pooled_forward``) is two of these launches:
+``_pooled_means`` (K~ and V~, rounded to the input dtype) and ``_nystrom_out`` with V~ for W.
 
 Numerics: what the module docstring of ``rank`` requires in fp32 (landmarks, Q~ k^T, b v, the
 r x r kernel and its pseudo-inverse, W) runs as fp32 products on tensor cores at fp32 accuracy:
@@ -301,6 +305,25 @@ def _nystrom_out(Q, WS, O, off_kl, off_w, L, rank, n_heads, group, qk_scale,
              o.to(O.dtype.element_ty), mask=qmask)
 
 
+@triton.jit
+def _pooled_means(K, V, WS, off_w, S, rank, group,
+                  sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+                  n_kv_heads, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The pooled path's means (``rank.pooled_attention``): segment i of (batch, kv head) ``pid``. K~ to
+    WS[0:] as (B, Hkv, rank, D), V~ to WS[off_w:] as (B, Hq, rank, D), once per query head of the kv
+    head (``_nystrom_out`` reads its W per query head); both rounded to the input dtype, as the
+    PyTorch path rounds them, held in fp32."""
+    i, pid = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    km = _landmark(K, sk_b, sk_h, sk_s, S, pid, n_kv_heads, i, rank, d, dmask, BLOCK_T, BLOCK_D)
+    tl.store(WS + (pid * rank + i).to(tl.int64) * HEAD_DIM + d, km.to(K.dtype.element_ty).to(tl.float32), mask=dmask)
+    vm = _landmark(V, sv_b, sv_h, sv_s, S, pid, n_kv_heads, i, rank, d, dmask, BLOCK_T, BLOCK_D)
+    vm = vm.to(V.dtype.element_ty).to(tl.float32)
+    for j in range(group):  # query head pid * group + j: (b Hkv + h) group + j = b Hq + h group + j
+        tl.store(WS + off_w + ((pid * group + j) * rank + i).to(tl.int64) * HEAD_DIM + d, vm, mask=dmask)
+
+
 def supported(q: Tensor, rank: int) -> str | None:
     """None when the Triton path can run these shapes, else why not."""
     if rank > MAX_RANK:
@@ -332,8 +355,8 @@ OUT_MAX_BLOCK_R = 128  # landmarks per step of the output pass (head dim <= 64; 
 OUT_WARPS = 4
 
 
-_launch_landmarks, _launch_bv_partial, _launch_landmark_solve, _launch_nystrom_out = (
-    Launcher(k) for k in (_landmarks, _bv_partial, _landmark_solve, _nystrom_out))
+_launch_landmarks, _launch_bv_partial, _launch_landmark_solve, _launch_nystrom_out, _launch_pooled_means = (
+    Launcher(k) for k in (_landmarks, _bv_partial, _landmark_solve, _nystrom_out, _pooled_means))
 
 
 @dataclass(frozen=True)
@@ -382,11 +405,15 @@ def _plan(B: int, Hq: int, Hkv: int, S: int, D: int, rank: int, device: torch.de
     off_m = off_kl + B * Hkv * rank * D
     off_l, off_acc = off_m + n_part, off_m + 2 * n_part
     off_w = off_acc + n_part * D
+    return _Plan(block_d, block_r, bv_block_m, m_blocks, splits, chunk, n_rows, off_kl, off_m, off_l, off_acc, off_w,
+                 off_w + n_ql, fused_solve(rank, D), *_out_params(block_d, block_r))
+
+
+def _out_params(block_d: int, block_r: int) -> tuple[int, int, bool]:
+    """``_nystrom_out``'s (BLOCK_M, BLOCK_R, ONE_BLOCK) for a padded head dim and rank."""
     halve = 2 if block_d > 64 else 1
     out_block_r = min(block_r, OUT_MAX_BLOCK_R // halve)
-    return _Plan(block_d, block_r, bv_block_m, m_blocks, splits, chunk, n_rows, off_kl, off_m, off_l, off_acc, off_w,
-                 off_w + n_ql, fused_solve(rank, D), OUT_BLOCK_M[out_block_r] // halve, out_block_r,
-                 block_r <= OUT_MAX_BLOCK_R // halve)
+    return OUT_BLOCK_M[out_block_r] // halve, out_block_r, block_r <= OUT_MAX_BLOCK_R // halve
 
 
 class _Launches:
@@ -494,6 +521,44 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
             _SOLVE_LOCK.release()
     launch.done()
     return out
+
+
+def pooled_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, rows: Tensor | None = None) -> Tensor:
+    """softmax(q K~^T * scale) V~ over ``rank`` segment means of k and v, segments of equal size (no size
+    bias), without autograd: two launches, the means (``_pooled_means``) and the output pass that
+    Nyström's last launch is (``_nystrom_out``, with V~ for its W). q (B, Hq, L, D); k, v (B, Hkv, S, D),
+    S a multiple of ``rank``; ``rows``: only these query rows. Output in q's dtype."""
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if S % rank:
+        raise ValueError(f"the fused pooled path needs S ({S}) a multiple of rank ({rank})")
+    group = Hq // Hkv
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    block_d, out_block_m, out_block_r, one_block = _pooled_plan(D, rank)
+    qr = q if rows is None else q[:, :, rows]
+    Lr = qr.shape[2]
+    qs, ks, vs, qrs = q.stride(), k.stride(), v.stride(), qr.stride()
+    launch = _Launches(("pooled", B, Hq, Hkv, S, D, rank, Lr, q.device, q.dtype, k.dtype, v.dtype, ks, vs, qrs,
+                        k.data_ptr() % 16, v.data_ptr() % 16, qr.data_ptr() % 16))
+    off_w = B * Hkv * rank * D
+    ws = torch.empty(off_w + B * Hq * rank * D, device=q.device, dtype=torch.float32)  # K~ | V~ per query head
+    launch(_launch_pooled_means, (rank, B * Hkv),
+        k, v, ws, off_w, S, rank, group, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], Hkv,
+        HEAD_DIM=D, BLOCK_T=max(16, LANDMARK_TILE // block_d), BLOCK_D=block_d, num_warps=LANDMARK_WARPS)
+    out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
+    launch(_launch_nystrom_out, (_cdiv(Lr, out_block_m), B * Hq),
+        qr, ws, out, 0, off_w, Lr, rank, Hq, group, scale * LOG2E,
+        qrs[0], qrs[1], qrs[2], Hq * Lr * D, Lr * D, D,  # out: (B, Hq, Lr, D), contiguous
+        HEAD_DIM=D, BLOCK_M=out_block_m, BLOCK_R=out_block_r, BLOCK_D=block_d,
+        FP32=q.dtype == torch.float32 or interpreter(), ONE_BLOCK=one_block, num_warps=OUT_WARPS)
+    launch.done()
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _pooled_plan(D: int, rank: int) -> tuple[int, int, int, bool]:
+    block_d = _block(D)
+    return block_d, *_out_params(block_d, _block(rank))
 
 
 def _solve_batched(ws: Tensor, *, B: int, Hq: int, Hkv: int, rank: int, D: int, splits: int, off_kl: int, off_m: int,

@@ -7,21 +7,31 @@ Estimate (per head, on a sample of query rows): the softmax rows P_s (m x S) of 
 Rows of a rank-r attention matrix span at most r dimensions, so the spectrum rank of a sample
 bounds the matrix's from below; the policy takes the spectrum rank, and reports both.
 
-Low-rank path: Nyström with segment-mean landmarks (Xiong et al. 2021, Nyströmformer):
-softmax(Q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ K^T) V with r landmarks Q~, K~ (means of r
-contiguous segments of Q and K). Chosen over the alternatives because a drop-in module must work
-with pretrained weights and no training: Linformer-style learned projections need training, and
-a PCA projection of keys and values costs an SVD per call (O(S D^2)) and is exact only for the
-values, not for the softmax. Nyström costs O(S r D) plus an r x r pseudo-inverse, and needs
-neither. It has no causal or padding form here: with a mask, the exact path runs. Without
-autograd, on a device the Triton kernels run on, the forward is four fused launches up to 128
-landmarks, the r x r solve as batched matmuls beyond (``nystrom_triton``; ``nystrom_path`` says
-which implementation runs and why).
+Low-rank paths, two, both from segment means (r contiguous segments of the sequence) and both
+working with pretrained weights and no training (Linformer-style learned projections need
+training; a PCA projection of keys and values costs an SVD per call, O(S D^2), and is exact only
+for the values, not for the softmax):
+- ``nystrom``: Nyström with segment-mean landmarks (Xiong et al. 2021, Nyströmformer):
+  softmax(Q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ K^T) V with r landmarks Q~, K~ (means of r
+  contiguous segments of Q and K). It keeps each key's own weight for the landmark queries, so it
+  is the more accurate of the two where keys vary within a segment, but it pays an r x r
+  pseudo-inverse (48 r^3 flops per head): that solve bounds the landmarks at which it pays. Without
+  autograd, on a device the Triton kernels run on, the forward is four fused launches up to 128
+  landmarks, the r x r solve as batched matmuls beyond (``nystrom_triton``; ``nystrom_path`` says
+  which implementation runs and why).
+- ``pooled``: the keys and values projected onto their segment means, a fixed Linformer
+  projection (E = F = segment averaging): softmax(Q K~^T + log n) V~, n the segments' sizes (each
+  mean stands for its n keys). No solve: one attention of the L queries over r keys (SDPA),
+  O(L r D), differentiable (two fused Triton launches for a forward without autograd). Exact where the keys within each segment are equal (the values need not
+  be); where they vary, every key of a segment gets its mean's weight, so it errs more than Nyström
+  on the same landmarks.
+Neither has a causal or padding form here: with a mask, the exact path runs.
 
 Policy (``choose_rank``, what ``rank_mode="auto"`` runs on the first call of a signature): the
 sampled spectrum rank r_est of every head; if the largest is clearly low (at most half the
-sample and at most S/16), 2 r_est landmarks are tried on the sampled query rows, and taken only
-when their relative L2 error against exact attention of those rows is within ``max_rel_error``.
+sample and at most S/16), 2 r_est landmarks are tried on the sampled query rows by each low-rank
+path in turn, the cheaper first (``LOW_RANK_METHODS``: pooled, then Nyström), and the first whose
+relative L2 error against exact attention of those rows is within ``max_rel_error`` is taken.
 Segment-mean landmarks summarise contiguous tokens: a matrix of low rank whose structure is not
 contiguous in the sequence (clustered tokens spread over it) can fail the check and stay exact.
 """
@@ -29,8 +39,10 @@ contiguous in the sequence (clustered tokens spread over it) can fail the check 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from adaattn.kernels.runtime import get_kernel_status, needs_grad, use_triton
@@ -68,17 +80,17 @@ PINV_ITERS = 6  # Newton-Schulz iterations of the pseudo-inverse (Nyströmformer
 PINV_MATMULS_PER_ITER = 4  # r x r x r products per iteration (``_pinv``): what bounds the solve's time
 
 
-def _segment_means(x: Tensor, r: int) -> Tensor:
-    """(B, H, S, D) -> (B, H, r, D) fp32: means of r contiguous segments, segment i the rows
+def _segment_means(x: Tensor, r: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(B, H, S, D) -> (B, H, r, D) in ``dtype``: means of r contiguous segments, segment i the rows
     floor(i S / r) .. floor((i + 1) S / r) - 1 (sizes differ by at most one). When r divides S,
     one mean over a (B, H, r, S/r, D) view; otherwise prefix sums."""
     B, H, S, D = x.shape
     if S % r == 0:
-        return x.view(B, H, r, S // r, D).mean(3, dtype=torch.float32)
+        return x.view(B, H, r, S // r, D).mean(3, dtype=dtype)
     bounds = torch.arange(r + 1, device=x.device) * S // r
-    csum = torch.nn.functional.pad(x.float().cumsum(2), (0, 0, 1, 0))
+    csum = torch.nn.functional.pad(x.to(dtype).cumsum(2), (0, 0, 1, 0))
     sums = csum[:, :, bounds[1:]] - csum[:, :, bounds[:-1]]
-    return sums / (bounds[1:] - bounds[:-1]).clamp_min(1)[:, None].float()
+    return sums / (bounds[1:] - bounds[:-1]).clamp_min(1)[:, None].to(dtype)
 
 
 def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | None = None,
@@ -120,16 +132,89 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float |
 def nystrom_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
     """Which implementation ``nystrom_attention`` runs for these inputs: "triton" (four fused
     launches, forward only: ``nystrom_triton``) or "torch: <why not triton>" (differentiable)."""
+    why = _triton_why_not(q, k, v, min(rank, q.shape[2], k.shape[2]))
+    return "triton" if why is None else f"torch: {why}"
+
+
+def pooled_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
+    """Which implementation ``pooled_attention`` runs for these inputs: "triton" (two fused launches,
+    forward only: ``nystrom_triton.pooled_forward``) or "torch: <why not triton>" (differentiable)."""
+    rank = min(rank, k.shape[2])
+    why = _triton_why_not(q, k, v, rank)
+    if why is None and k.shape[2] % rank:
+        why = f"S {k.shape[2]} is not a multiple of rank {rank} (the fused path has no segment-size bias)"
+    if why is None and not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16,
+                                                                          torch.bfloat16)):
+        why = f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the fused path takes one of fp32, fp16, bf16)"
+    return "triton" if why is None else f"torch: {why}"
+
+
+def _triton_why_not(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str | None:
+    """Why the forward-only Triton low-rank kernels cannot run these inputs, or None."""
     if not use_triton(q, k, v):
-        return f"torch: {get_kernel_status()['reason'] or 'Triton kernels cannot run on ' + q.device.type}"
+        return get_kernel_status()['reason'] or f"Triton kernels cannot run on {q.device.type}"
     if needs_grad(q, k, v):
-        return "torch: autograd needs the graph (the Triton path is forward only)"
+        return "autograd needs the graph (the Triton path is forward only)"
     if torch.compiler.is_compiling():
-        return "torch: under torch.compile"
+        return "under torch.compile"
     from adaattn.attention.nystrom_triton import supported
 
-    why = supported(q, min(rank, q.shape[2], k.shape[2]))
-    return "triton" if why is None else f"torch: {why}"
+    return supported(q, rank)
+
+
+def pooled_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | None = None,
+                     rows: Tensor | None = None) -> Tensor:
+    """softmax(q K~^T * scale + log n) V~: attention over ``rank`` segment means K~, V~ of k and v (means in
+    fp32 or wider, rounded to the input dtype), n the segments' sizes (a bias only where they differ); no mask.
+    q (B, Hq, L, D), k and v (B, Hkv, S, D); GQA by repeating the r means of a kv head (a small copy).
+    One SDPA call, differentiable. Without autograd, on a device the Triton kernels run on, with S a
+    multiple of ``rank``: two fused launches instead (``nystrom_triton.pooled_forward``: SDPA's host
+    time alone is most of a call at the lengths where this path pays; ``pooled_path`` says which
+    runs). ``rows``: only these query rows of the output."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"rank must be a positive int; got {rank!r}")
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    Hq, Hkv, S = q.shape[1], k.shape[1], k.shape[2]
+    rank = min(rank, S)
+    if pooled_path(q, k, v, rank) == "triton":
+        from adaattn.attention.nystrom_triton import pooled_forward
+
+        return pooled_forward(q, k, v, rank, scale, rows=rows)
+    acc = torch.promote_types(k.dtype, torch.float32)  # fp32 means of bf16 / fp16, float64 of float64
+    if S % rank == 0:  # one launch each: PyTorch reduces bf16 / fp16 in fp32 and rounds the mean once
+        kl, vl = (t.view(t.shape[0], t.shape[1], rank, S // rank, t.shape[3]).mean(3) for t in (k, v))
+    else:
+        kl, vl = _segment_means(k, rank, acc).to(k.dtype), _segment_means(v, rank, acc).to(v.dtype)
+    if Hq != Hkv:
+        kl, vl = kl.repeat_interleave(Hq // Hkv, dim=1), vl.repeat_interleave(Hq // Hkv, dim=1)
+    bias = None
+    if S % rank:
+        bounds = torch.arange(rank + 1, device=q.device) * S // rank
+        bias = (bounds[1:] - bounds[:-1]).to(acc).log().to(q.dtype)[None]  # (1, r): every query row
+    return F.scaled_dot_product_attention(q if rows is None else q[:, :, rows], kl, vl, attn_mask=bias, scale=scale)
+
+
+LOW_RANK_METHODS = ("pooled", "nystrom")  # the low-rank paths, in the order the policy tries them (cheaper first)
+
+
+class LowRank(NamedTuple):
+    """A low-rank path and its landmarks (segments)."""
+
+    method: str  # one of LOW_RANK_METHODS
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.rank}"
+
+
+def low_rank_attention(q: Tensor, k: Tensor, v: Tensor, choice: LowRank, scale: float | None = None,
+                       rows: Tensor | None = None) -> Tensor:
+    """The low-rank path ``choice`` names: ``nystrom_attention`` or ``pooled_attention``."""
+    if choice.method == "nystrom":
+        return nystrom_attention(q, k, v, choice.rank, scale=scale, rows=rows)
+    if choice.method == "pooled":
+        return pooled_attention(q, k, v, choice.rank, scale=scale, rows=rows)
+    raise ValueError(f"low-rank method {choice.method!r} is not one of: {', '.join(LOW_RANK_METHODS)}")
 
 
 def _pinv(a: Tensor, iters: int) -> Tensor:
@@ -148,9 +233,15 @@ def _pinv(a: Tensor, iters: int) -> Tensor:
 
 
 def choose_rank(q: Tensor, k: Tensor, v: Tensor, sample: int = 64, min_len: int = 1024,
-                max_rel_error: float = 0.05, scale: float | None = None) -> tuple[int | None, dict]:
-    """The policy: (landmarks, or None for the exact path; what it saw). See the module docstring."""
-    seen: dict = {"estimate": None, "tried": None, "sample_rel_error": None}
+                max_rel_error: float = 0.05, scale: float | None = None,
+                methods: tuple[str, ...] = LOW_RANK_METHODS) -> tuple[LowRank | None, dict]:
+    """The policy: (the low-rank path and its landmarks, or None for the exact path; what it saw:
+    ``estimate``, the landmarks ``tried`` and ``sample_rel_error`` per method tried). ``methods``: the
+    low-rank paths to try, in order. See the module docstring."""
+    bad = [m for m in methods if m not in LOW_RANK_METHODS]
+    if not methods or bad:
+        raise ValueError(f"methods must be a non-empty tuple of: {', '.join(LOW_RANK_METHODS)}; got {methods!r}")
+    seen: dict = {"estimate": None, "tried": None, "sample_rel_error": {}}
     if k.shape[2] < min_len:
         return None, seen
     est = int(estimate_rank(q, k, sample_rows=sample, scale=scale)["spectrum"].max().item())
@@ -166,7 +257,12 @@ def choose_rank(q: Tensor, k: Tensor, v: Tensor, sample: int = 64, min_len: int 
         g = q.shape[1] // k.shape[1]
         kk, vv = (t.detach().float().repeat_interleave(g, dim=1) for t in (k, v))
         exact = torch.softmax(q.detach().float()[:, :, idx] @ kk.transpose(-2, -1) * scale, dim=-1) @ vv
-        approx = nystrom_attention(q.detach(), k.detach(), v.detach(), r, scale=scale, rows=idx).float()
-        err = (torch.linalg.vector_norm(approx - exact) / torch.linalg.vector_norm(exact).clamp_min(1e-30)).item()
-    seen["sample_rel_error"] = err
-    return (r if err <= max_rel_error else None), seen
+        norm = torch.linalg.vector_norm(exact).clamp_min(1e-30)
+        for method in methods:
+            choice = LowRank(method, r)
+            approx = low_rank_attention(q.detach(), k.detach(), v.detach(), choice, scale=scale, rows=idx).float()
+            err = (torch.linalg.vector_norm(approx - exact) / norm).item()
+            seen["sample_rel_error"][method] = err
+            if err <= max_rel_error:
+                return choice, seen
+    return None, seen
