@@ -198,8 +198,8 @@ def _floor_reason(f: pd.DataFrame) -> str:
 
 def _path(method: str, kernels: str, landmarks: int, head_dim: int) -> str:
     """Which implementation a timed low-rank call ran (Nyström's from its recorded kernel names)."""
-    if method == "pooled":
-        return "SDPA over segment means"
+    if method == "pooled":  # the fused forward's means kernel, else the PyTorch path (SDPA)
+        return "fused Triton (means, output)" if "_pooled_means" in kernels else "PyTorch (SDPA over segment means)"
     if not FUSED.search(kernels):
         return "PyTorch"
     return "fused Triton" if fused_solve(landmarks, head_dim) else "Triton, batched solve (CUDA graph)"
