@@ -20,8 +20,10 @@ directly), ``nystrom-<r>`` and ``pooled-<r>`` (the two low-rank paths, ``rank.LO
 for each rank of ``ranks`` up to S/2, and ``policy``: the path that ``rank_mode="auto"``'s policy
 (``rank.choose_rank``, both paths) picks for these inputs (its one-time estimate is not timed; the
 study lifts AdaAttention's minimum length, so the policy is seen at every S). Error: against
-float64 on the first batch element. ``pooled-<r>`` is one SDPA call over r segment means
-(``rank.pooled_attention``); ``nystrom-<r>`` runs what
+float64 on the first batch element. ``pooled-<r>`` runs what ``rank.pooled_attention`` runs for a
+forward without autograd: two fused Triton launches on a GPU where S is a multiple of r (the
+segment means, then attention over them with P V~ in the input dtype, as flash attention), else
+one SDPA call over the r segment means; ``nystrom-<r>`` runs what
 ``rank.nystrom_attention`` runs for a forward without autograd: the Triton kernels on a GPU up
 to their rank limit (the r x r solve fused up to 128 landmarks, batched matmuls beyond), the
 PyTorch path beyond it and on the CPU (the recorded kernel names say which; the report's goal

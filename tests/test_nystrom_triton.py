@@ -12,7 +12,14 @@ import pytest
 import torch
 
 import adaattn.attention.rank as rank_mod
-from adaattn.attention.nystrom_triton import MAX_FUSED_SOLVE_RANK, MAX_HEAD_DIM, MAX_RANK, fused_solve
+from adaattn.attention.nystrom_triton import (
+    MAX_FUSED_SOLVE_RANK,
+    MAX_HEAD_DIM,
+    MAX_RANK,
+    _block,
+    _pooled_plan,
+    fused_solve,
+)
 from adaattn.attention.rank import (
     _pinv,
     _segment_means,
@@ -289,8 +296,9 @@ def test_graphed_batched_solve_from_threads_on_one_stream():
     (1, 2, 2, 64, 64, 16, 8),      # one head each
     (2, 4, 2, 100, 132, 24, 12),   # GQA 2:1, L != S, head dim not a power of two
     (1, 4, 1, 96, 198, 64, 33),    # GQA 4:1 (MQA), odd rank
-    (1, 2, 2, 80, 512, 32, 256),   # landmarks in two blocks of the output pass
-], ids=["plain", "gqa", "mqa-odd-rank", "two-landmark-blocks"])
+    (1, 2, 2, 80, 512, 32, 256),   # landmarks in blocks of the output pass (online softmax)
+    (1, 4, 2, 70, 320, 80, 64),    # GQA, head dim padded to 128: landmarks in blocks too
+], ids=["plain", "gqa", "mqa-odd-rank", "landmark-blocks", "wide-head-blocks"])
 def test_fused_pooled_matches_the_torch_path(shape, dtype):
     B, Hq, Hkv, L, S, D, r = shape
     q, k, v = _qkv(B, Hq, Hkv, L, S, D, dtype, strided=True)
@@ -304,6 +312,22 @@ def test_fused_pooled_matches_the_torch_path(shape, dtype):
     assert out.shape == ref.shape == (B, Hq, L, D) and out.dtype == dtype
     assert _rel(out, ref) < RTOL[dtype]
     torch.testing.assert_close(pooled_attention(q, k, v, r, rows=rows), out[:, :, rows], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("D", [16, 24, 64, 80, 128])
+@pytest.mark.parametrize("rank", [1, 7, 16, 33, 64, 65, 128, 256, MAX_RANK])
+def test_pooled_plan_covers_every_landmark(D, rank):
+    S = 16 * MAX_RANK
+    p = _pooled_plan(S, D, rank)
+    assert p.block_d >= D and p.block_m >= 16
+    # a mean's step: a power of two of rows, no wider than the segment (past 16 rows), at most 32768 elements
+    assert p.mean_rows >= 16 and p.mean_rows & (p.mean_rows - 1) == 0 and p.mean_rows * p.block_d <= 32768
+    assert p.mean_rows <= max(16, _block(-(-S // rank))) and 2 <= p.mean_warps <= 16
+    if p.one_block:  # every landmark in the one block
+        assert p.block_r >= rank
+    else:  # whole blocks of the padded rank, more than one
+        assert _block(rank) % p.block_r == 0 and p.block_r < _block(rank)
+    assert p.one_block == (rank <= (64 if D <= 64 else 32))  # the rule the sweep chose (nystrom_triton)
 
 
 def test_fused_pooled_equals_float64_on_its_own_means():

@@ -25,8 +25,12 @@ depends on S. Here the same maths runs in four kernels, all fp32 intermediates i
 4. ``_nystrom_out``: out = softmax(q K~^T) W, a flash forward with r keys (in blocks of at most
    128, an online softmax across them).
 
-The pooled low-rank path (``rank.pooled_attention``, ``pooled_forward``) is two of these launches:
-``_pooled_means`` (K~ and V~, rounded to the input dtype) and ``_nystrom_out`` with V~ for W.
+The pooled low-rank path (``rank.pooled_attention``, ``pooled_forward``) is two launches:
+``_pooled_means`` (K~ and V~ summed in fp32, stored in the input dtype) and ``_nystrom_out`` with V~
+for W. V~ holds input-dtype values, so there P V~ runs in the input dtype (bf16 / fp16 inputs), as
+flash attention's P V: the path is attention over r keys at flash's precision. In fp32 (tf32x3, as
+Nyström's W) the product bounded the pass: on the H100 of the rank study, P V~ in tf32x3 made the
+pass several times slower at 256-1024 landmarks (scratch sweep).
 
 Numerics: what the module docstring of ``rank`` requires in fp32 (landmarks, Q~ k^T, b v, the
 r x r kernel and its pseudo-inverse, W) runs as fp32 products on tensor cores at fp32 accuracy:
@@ -46,6 +50,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -249,34 +254,45 @@ def _landmark_solve(WS, off_kl, off_m, off_l, off_acc, off_w,
 
 
 @triton.jit
-def _out_scores(q, KL, W, kv, pid_bh, rank, r, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _out_scores(q, KL, W, kv, wh, rank, r, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 FP32: tl.constexpr):
-    """Scores q K~^T (log2 units, padded landmarks -inf) and the W rows of landmarks ``r``."""
+    """Scores q K~^T (log2 units, padded landmarks -inf) and the rows of W's head ``wh`` of landmarks ``r``."""
     d = tl.arange(0, BLOCK_D)
     lmask = (r < rank)[:, None] & (d < HEAD_DIM)[None, :]
     kl = tl.load(KL + (kv * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
     if FP32:  # fp32 inputs; also the interpreter, whose bf16 tl.dot is wrong (Triton 3.9)
-        s = _dot32(q.to(tl.float32), tl.trans(kl))
+        s = _dot32(q.to(tl.float32), tl.trans(kl.to(tl.float32)))
     else:  # K~ holds values of q's dtype: the cast is exact
         s = tl.dot(q, tl.trans(kl.to(q.dtype)))
     s = tl.where((r < rank)[None, :], s * qk_scale, float("-inf"))
-    w = tl.load(W + (pid_bh * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
+    w = tl.load(W + (wh * rank + r[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], mask=lmask, other=0.0)
     return s, w
+
+
+@triton.jit
+def _p_times_w(p, w, dtype, LOWP: tl.constexpr):
+    """P W: LOWP, P rounded to ``dtype`` (flash attention's rounding; W holds values of ``dtype``), else
+    at fp32 accuracy (tf32x3)."""
+    if LOWP:
+        return tl.dot(p.to(dtype), w.to(dtype))
+    return _dot32(p, w.to(tl.float32))
 
 
 @triton.jit
 def _nystrom_out(Q, WS, O, off_kl, off_w, L, rank, n_heads, group, qk_scale,
                  sq_b, sq_h, sq_l, so_b, so_h, so_l,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                 FP32: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """Rows [pid_m BLOCK_M, +BLOCK_M) of query head pid_bh: softmax(q K~^T) W, W at WS[off_w:].
-    ONE_BLOCK: every landmark in one block of BLOCK_R (up to the fused solve's rank); otherwise
-    blocks of BLOCK_R with an online softmax across them (a loop costs the single block ~15%)."""
+                 FP32: tl.constexpr, ONE_BLOCK: tl.constexpr, LOWP: tl.constexpr, W_PER_KV: tl.constexpr):
+    """Rows [pid_m BLOCK_M, +BLOCK_M) of query head pid_bh: softmax(q K~^T) W, W at WS[off_w:], one per
+    query head (W_PER_KV: per kv head). ONE_BLOCK: every landmark in one block of BLOCK_R (up to the fused
+    solve's rank); otherwise blocks of BLOCK_R with an online softmax across them (a loop costs the single
+    block ~15%). LOWP: P W in q's dtype (``_p_times_w``)."""
     KL, W = WS + off_kl, WS + off_w
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b = pid_bh // n_heads
     hq = pid_bh % n_heads
     kv = b * (n_heads // group) + hq // group
+    wh = kv if W_PER_KV else pid_bh
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     dmask = (d < HEAD_DIM)[None, :]
@@ -284,21 +300,24 @@ def _nystrom_out(Q, WS, O, off_kl, off_w, L, rank, n_heads, group, qk_scale,
     q = tl.load(Q + b.to(tl.int64) * sq_b + hq.to(tl.int64) * sq_h + rows[:, None].to(tl.int64) * sq_l + d[None, :],
                 mask=qmask, other=0.0)
     if ONE_BLOCK:
-        s, w = _out_scores(q, KL, W, kv, pid_bh, rank, tl.arange(0, BLOCK_R), qk_scale, HEAD_DIM, BLOCK_D, FP32)
+        s, w = _out_scores(q, KL, W, kv, wh, rank, tl.arange(0, BLOCK_R), qk_scale, HEAD_DIM, BLOCK_D, FP32)
         p = tl.exp2(s - tl.max(s, 1)[:, None])
-        o = _dot32(p / tl.sum(p, 1)[:, None], w)
+        if LOWP:  # P unnormalised in the low-precision product, as flash attention: one rounding of P
+            o = _p_times_w(p, w, q.dtype, LOWP) / tl.sum(p, 1)[:, None]
+        else:
+            o = _p_times_w(p / tl.sum(p, 1)[:, None], w, q.dtype, LOWP)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for r0 in range(0, rank, BLOCK_R):
-            s, w = _out_scores(q, KL, W, kv, pid_bh, rank, r0 + tl.arange(0, BLOCK_R), qk_scale, HEAD_DIM, BLOCK_D,
+            s, w = _out_scores(q, KL, W, kv, wh, rank, r0 + tl.arange(0, BLOCK_R), qk_scale, HEAD_DIM, BLOCK_D,
                                FP32)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot32(p, w)
+            acc = acc * alpha[:, None] + _p_times_w(p, w, q.dtype, LOWP)
             m_i = m_new
         o = acc / l_i[:, None]
     tl.store(O + b.to(tl.int64) * so_b + hq.to(tl.int64) * so_h + rows[:, None].to(tl.int64) * so_l + d[None, :],
@@ -306,22 +325,20 @@ def _nystrom_out(Q, WS, O, off_kl, off_w, L, rank, n_heads, group, qk_scale,
 
 
 @triton.jit
-def _pooled_means(K, V, WS, off_w, S, rank, group,
+def _pooled_means(K, V, WS, off_w, S, rank,
                   sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
                   n_kv_heads, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The pooled path's means (``rank.pooled_attention``): segment i of (batch, kv head) ``pid``. K~ to
-    WS[0:] as (B, Hkv, rank, D), V~ to WS[off_w:] as (B, Hq, rank, D), once per query head of the kv
-    head (``_nystrom_out`` reads its W per query head); both rounded to the input dtype, as the
-    PyTorch path rounds them, held in fp32."""
+    """The pooled path's means (``rank.pooled_attention``): segment i of (batch, kv head) ``pid``, summed in
+    fp32. K~ to WS[0:] and V~ to WS[off_w:], each (B, Hkv, rank, D) in the input dtype (WS's), as the
+    PyTorch path rounds them."""
     i, pid = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
+    at = (pid * rank + i).to(tl.int64) * HEAD_DIM + d
     km = _landmark(K, sk_b, sk_h, sk_s, S, pid, n_kv_heads, i, rank, d, dmask, BLOCK_T, BLOCK_D)
-    tl.store(WS + (pid * rank + i).to(tl.int64) * HEAD_DIM + d, km.to(K.dtype.element_ty).to(tl.float32), mask=dmask)
+    tl.store(WS + at, km.to(WS.dtype.element_ty), mask=dmask)
     vm = _landmark(V, sv_b, sv_h, sv_s, S, pid, n_kv_heads, i, rank, d, dmask, BLOCK_T, BLOCK_D)
-    vm = vm.to(V.dtype.element_ty).to(tl.float32)
-    for j in range(group):  # query head pid * group + j: (b Hkv + h) group + j = b Hq + h group + j
-        tl.store(WS + off_w + ((pid * group + j) * rank + i).to(tl.int64) * HEAD_DIM + d, vm, mask=dmask)
+    tl.store(WS + off_w + at, vm.to(WS.dtype.element_ty), mask=dmask)
 
 
 def supported(q: Tensor, rank: int) -> str | None:
@@ -346,8 +363,15 @@ def _block(n: int) -> int:
 # ranks 16-128); the rank study records the kernel time of the fused path at each rank and length
 BV_BLOCK_N = 64  # keys per step of the b v pass
 BV_PROGRAMS_PER_SM = 1  # the key splits fill about this many programs per SM
-LANDMARK_TILE = 8192  # elements per step of a segment mean (rows x padded head dim)
-LANDMARK_WARPS = 4
+# a segment mean's step: the segment's rows (a power of two, 16 to MEAN_MAX_ROWS; a wider step than the
+# segment only loads masked rows) times the padded head dim, at most MEAN_MAX_TILE elements, with a warp
+# per MEAN_PER_WARP of them (2-16 warps). From a sweep of the pooled means kernel on an H100 (bf16, 8 heads,
+# head dim 64, S 8192 and 16384, segments of 16-1024 rows, tiles of 2048-32768 elements, 2-16 warps):
+# the fastest at every segment length tried was a tile of one segment's rows at about this many elements
+# per warp. The fixed step it replaced (8192 elements, 4 warps) took more than twice as long at both ends of the sweep.
+MEAN_MAX_ROWS = 512
+MEAN_MAX_TILE = 32768
+MEAN_PER_WARP = 1024
 SOLVE_WARPS = {16: 4, 32: 4, 64: 4, 128: 8}  # by padded rank
 MERGE_STAGES = 3
 OUT_BLOCK_M = {16: 64, 32: 64, 64: 64, 128: 64}  # by padded rank (head dim <= 64; halved above)
@@ -491,10 +515,11 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
                                                            q.device, solve)
         ws = torch.empty(p.numel, device=q.device, dtype=torch.float32) if graph is None else graph.ws
 
+        mean_rows, mean_warps = _mean_params(_cdiv(max(L, S), rank), p.block_d)
         launch(_launch_landmarks, (rank, B * (Hq + Hkv)),
             q, k, ws, p.off_kl, L, S, rank, Hq, Hkv, B * Hq,
             qs[0], qs[1], qs[2], ks[0], ks[1], ks[2],
-            HEAD_DIM=D, BLOCK_T=max(16, LANDMARK_TILE // p.block_d), BLOCK_D=p.block_d, num_warps=LANDMARK_WARPS)
+            HEAD_DIM=D, BLOCK_T=mean_rows, BLOCK_D=p.block_d, num_warps=mean_warps)
         launch(_launch_bv_partial, (p.m_blocks, B * Hkv, p.splits),
             ws, k, v, p.off_m, p.off_l, p.off_acc, p.n_rows, S, p.chunk, Hkv, qk_scale,
             ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
@@ -515,7 +540,8 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
             qr, ws, out, p.off_kl, p.off_w, Lr, rank, Hq, group, qk_scale,
             qrs[0], qrs[1], qrs[2], Hq * Lr * D, Lr * D, D,  # out: (B, Hq, Lr, D), contiguous
             HEAD_DIM=D, BLOCK_M=p.out_block_m, BLOCK_R=p.out_block_r, BLOCK_D=p.block_d,
-            FP32=q.dtype == torch.float32 or interpreter(), ONE_BLOCK=p.out_one_block, num_warps=OUT_WARPS)
+            FP32=q.dtype == torch.float32 or interpreter(), ONE_BLOCK=p.out_one_block, LOWP=False, W_PER_KV=False,
+            num_warps=OUT_WARPS)
     finally:
         if solve is not None:
             _SOLVE_LOCK.release()
@@ -527,38 +553,78 @@ def pooled_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, row
     """softmax(q K~^T * scale) V~ over ``rank`` segment means of k and v, segments of equal size (no size
     bias), without autograd: two launches, the means (``_pooled_means``) and the output pass that
     Nyström's last launch is (``_nystrom_out``, with V~ for its W). q (B, Hq, L, D); k, v (B, Hkv, S, D),
-    S a multiple of ``rank``; ``rows``: only these query rows. Output in q's dtype."""
+    S a multiple of ``rank``; ``rows``: only these query rows. Output in q's dtype.
+
+    K~ and V~ are stored in the input dtype, and with bf16 or fp16 inputs the output pass multiplies P by
+    V~ in that dtype, as flash attention multiplies P by V: the path is then attention over r keys at
+    flash's precision. (Nyström's W is an fp32 solve result, so its pass keeps P W at fp32 accuracy.)"""
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if S % rank:
         raise ValueError(f"the fused pooled path needs S ({S}) a multiple of rank ({rank})")
     group = Hq // Hkv
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    block_d, out_block_m, out_block_r, one_block = _pooled_plan(D, rank)
+    p = _pooled_plan(S, D, rank)
     qr = q if rows is None else q[:, :, rows]
     Lr = qr.shape[2]
     qs, ks, vs, qrs = q.stride(), k.stride(), v.stride(), qr.stride()
     launch = _Launches(("pooled", B, Hq, Hkv, S, D, rank, Lr, q.device, q.dtype, k.dtype, v.dtype, ks, vs, qrs,
                         k.data_ptr() % 16, v.data_ptr() % 16, qr.data_ptr() % 16))
     off_w = B * Hkv * rank * D
-    ws = torch.empty(off_w + B * Hq * rank * D, device=q.device, dtype=torch.float32)  # K~ | V~ per query head
+    ws = torch.empty(2 * off_w, device=q.device, dtype=q.dtype)  # K~ | V~, per kv head
     launch(_launch_pooled_means, (rank, B * Hkv),
-        k, v, ws, off_w, S, rank, group, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], Hkv,
-        HEAD_DIM=D, BLOCK_T=max(16, LANDMARK_TILE // block_d), BLOCK_D=block_d, num_warps=LANDMARK_WARPS)
+        k, v, ws, off_w, S, rank, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], Hkv,
+        HEAD_DIM=D, BLOCK_T=p.mean_rows, BLOCK_D=p.block_d, num_warps=p.mean_warps)
     out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
-    launch(_launch_nystrom_out, (_cdiv(Lr, out_block_m), B * Hq),
+    fp32 = q.dtype == torch.float32 or interpreter()
+    launch(_launch_nystrom_out, (_cdiv(Lr, p.block_m), B * Hq),
         qr, ws, out, 0, off_w, Lr, rank, Hq, group, scale * LOG2E,
         qrs[0], qrs[1], qrs[2], Hq * Lr * D, Lr * D, D,  # out: (B, Hq, Lr, D), contiguous
-        HEAD_DIM=D, BLOCK_M=out_block_m, BLOCK_R=out_block_r, BLOCK_D=block_d,
-        FP32=q.dtype == torch.float32 or interpreter(), ONE_BLOCK=one_block, num_warps=OUT_WARPS)
+        HEAD_DIM=D, BLOCK_M=p.block_m, BLOCK_R=p.block_r, BLOCK_D=p.block_d, FP32=fp32,
+        ONE_BLOCK=p.one_block, LOWP=not fp32, W_PER_KV=True, num_warps=p.warps, num_stages=p.stages)
     launch.done()
     return out
 
 
 @functools.lru_cache(maxsize=256)
-def _pooled_plan(D: int, rank: int) -> tuple[int, int, int, bool]:
-    block_d = _block(D)
-    return block_d, *_out_params(block_d, _block(rank))
+def _mean_params(segment: int, block_d: int) -> tuple[int, int]:
+    """(BLOCK_T, num_warps) of a segment-mean kernel for segments of up to ``segment`` rows."""
+    rows = min(_block(segment), MEAN_MAX_ROWS, max(16, MEAN_MAX_TILE // block_d))
+    return rows, min(16, max(2, rows * block_d // MEAN_PER_WARP))
+
+
+class _PooledPlan(NamedTuple):
+    """The pooled forward's launch parameters: the means' (``_mean_params``) and the output pass's."""
+
+    mean_rows: int
+    mean_warps: int
+    block_d: int
+    block_m: int
+    block_r: int
+    one_block: bool
+    warps: int
+    stages: int
+
+
+# the pooled output pass (products in the input dtype), by padded head dim: every landmark in one block
+# up to POOLED_ONE_BLOCK_R, else (BLOCK_M, BLOCK_R, warps, stages) of the online-softmax loop. From a sweep
+# of whole pooled calls on an H100 (bf16, 8 heads, S 8192 and 16384; head dim 64: 16-1024 landmarks, 128:
+# 32-512): within 2% of the fastest of up to 44 configurations at every point from 128 landmarks up.
+POOLED_ONE_BLOCK_R = {64: 64, 128: 32}
+POOLED_LOOP = {64: (128, 64, 8, 3), 128: (64, 32, 4, 3)}
+POOLED_ONE_BLOCK = (64, 4, 3)  # BLOCK_M, warps, stages
+
+
+@functools.lru_cache(maxsize=256)
+def _pooled_plan(S: int, D: int, rank: int) -> _PooledPlan:
+    block_d, block_r = _block(D), _block(rank)
+    means = _mean_params(_cdiv(S, rank), block_d)
+    dk = max(64, block_d)
+    if block_r <= POOLED_ONE_BLOCK_R[dk]:
+        block_m, warps, stages = POOLED_ONE_BLOCK
+        return _PooledPlan(*means, block_d, block_m, block_r, True, warps, stages)
+    block_m, block_r, warps, stages = POOLED_LOOP[dk]
+    return _PooledPlan(*means, block_d, block_m, block_r, False, warps, stages)
 
 
 def _solve_batched(ws: Tensor, *, B: int, Hq: int, Hkv: int, rank: int, D: int, splits: int, off_kl: int, off_m: int,

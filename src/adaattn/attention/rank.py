@@ -22,9 +22,11 @@ for the values, not for the softmax):
 - ``pooled``: the keys and values projected onto their segment means, a fixed Linformer
   projection (E = F = segment averaging): softmax(Q K~^T + log n) V~, n the segments' sizes (each
   mean stands for its n keys). No solve: one attention of the L queries over r keys (SDPA),
-  O(L r D), differentiable (two fused Triton launches for a forward without autograd). Exact where the keys within each segment are equal (the values need not
-  be); where they vary, every key of a segment gets its mean's weight, so it errs more than Nyström
-  on the same landmarks.
+  O(L r D), differentiable; a forward without autograd on a device the Triton kernels run on, with
+  S a multiple of r, is two fused launches (``nystrom_triton.pooled_forward``; ``pooled_path`` says
+  which runs). Exact where the keys within each segment are equal (the values need not be); where
+  they vary, every key of a segment gets its mean's weight, so it errs more than Nyström on the
+  same landmarks.
 Neither has a causal or padding form here: with a mask, the exact path runs.
 
 Policy (``choose_rank``, what ``rank_mode="auto"`` runs on the first call of a signature): the
@@ -180,17 +182,16 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | 
         from adaattn.attention.nystrom_triton import pooled_forward
 
         return pooled_forward(q, k, v, rank, scale, rows=rows)
-    acc = torch.promote_types(k.dtype, torch.float32)  # fp32 means of bf16 / fp16, float64 of float64
+    bias = None
     if S % rank == 0:  # one launch each: PyTorch reduces bf16 / fp16 in fp32 and rounds the mean once
         kl, vl = (t.view(t.shape[0], t.shape[1], rank, S // rank, t.shape[3]).mean(3) for t in (k, v))
     else:
+        acc = torch.promote_types(k.dtype, torch.float32)  # fp32 means of bf16 / fp16, float64 of float64
         kl, vl = _segment_means(k, rank, acc).to(k.dtype), _segment_means(v, rank, acc).to(v.dtype)
-    if Hq != Hkv:
-        kl, vl = kl.repeat_interleave(Hq // Hkv, dim=1), vl.repeat_interleave(Hq // Hkv, dim=1)
-    bias = None
-    if S % rank:
         bounds = torch.arange(rank + 1, device=q.device) * S // rank
         bias = (bounds[1:] - bounds[:-1]).to(acc).log().to(q.dtype)[None]  # (1, r): every query row
+    if Hq != Hkv:
+        kl, vl = kl.repeat_interleave(Hq // Hkv, dim=1), vl.repeat_interleave(Hq // Hkv, dim=1)
     return F.scaled_dot_product_attention(q if rows is None else q[:, :, rows], kl, vl, attn_mask=bias, scale=scale)
 
 
