@@ -15,14 +15,27 @@ initialised from a fixed seed; AdaAttention loads its ``state_dict``), called on
 - ``direct:<backend>``: AdaAttention's projections and output projection around one backend of the
   manager, called directly (no manager, no precision policy): the oracle for the 3% goal.
 
+The 3% goal is also timed under host load (scaling, GPU): every provider's call preceded by a fixed
+spell of other host work (a spin of ``host_loads_us``), as a model's other layers issue theirs
+between two attention calls. Where the host has more to do the GPU waits for it, and the fastest
+backend can change: at B=16 S=1024 forward in the H100 scaling run at code 550382b8 the module,
+through SDPA's own dispatch (cuDNN), took 1.09x forced flash's time per call side by side, though
+the manager had measured that dispatch at 0.148 ms per call and flash at 0.193. A scratch run (same
+machine kind and code; spins of 0-250 us before each call) found SDPA's cuDNN path fastest up to
+60 us, and from 100 us forced flash or efficient attention, 4-5% ahead of forced cuDNN. A choice
+made once per signature holds the goal at every host load only where one backend is within 3% of
+the fastest at each load; the report says where one is.
+
 Accuracy is against a float64 module with the same weights on the first batch element.
 FLOPs (forward): projections 2*B*S*E*4E, attention 4*B*H*S^2*D (halved if causal).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +121,29 @@ class _Direct(nn.Module):
         return a._out_proj(self.run(q, k, v, None, causal, 1 / math.sqrt(a.head_dim)), B, S, E)
 
 
+def spin(us: float) -> None:
+    """Keep the host busy for ``us`` microseconds (a busy wait: other host work, not a sleep)."""
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def loaded(w: Workload, us: float) -> Workload:
+    """``w`` with ``us`` microseconds of other host work before every forward call (``spin``)."""
+    fwd = w.fwd
+
+    def call():
+        spin(us)
+        return fwd()
+
+    return dataclasses.replace(w, fwd=call)
+
+
 class ModuleStudy:
     """One class, two studies: ``cpu_baseline`` (section G2-T1) and ``scaling`` (section G2-B)."""
 
-    config_columns = ["sweep", "batch", "seq_len", "embed_dim", "heads", "head_dim", "causal", "dtype"]
+    config_columns = ["sweep", "batch", "seq_len", "embed_dim", "heads", "head_dim", "causal", "dtype",
+                      "host_load_us"]
     # CUDA: besides time per call (events: at small shapes the host's time shows), the GPU time of a
     # call's kernels (10 profiled calls) and host time per call (20 back to back): the backend choice
     # is judged on the first, the module's Python overhead on the second
@@ -127,6 +159,13 @@ class ModuleStudy:
     # six spanned the bound (CPU scaling run at code a94a5817): 12 s, up to 1000 rounds
     side_by_side_ms = {("G2-B", "cuda"): 5000.0, ("G2-B", "cpu"): 12000.0, ("G2-T1", "cpu"): 15000.0}
     side_by_side_rounds = {("G2-B", "cuda"): (40, 1000), ("G2-B", "cpu"): (20, 1000), ("G2-T1", "cpu"): (20, 200)}
+    # the 3% goal's providers side by side once more under each host load (us of host work before every
+    # call: ``loaded``), about host_load_ms of calls each, within host_load_rounds. 0-250 us in the scratch
+    # run the module docstring cites moved the fastest backend at B=16 S=1024 forward from 60 to 100 us. Not
+    # on the CPU: there a call is host time already (1.6-40 ms), and a spin adds the same to every provider
+    host_loads_us: dict[tuple[str, str], tuple[float, ...]] = {("G2-B", "cuda"): (50.0, 100.0, 200.0)}
+    host_load_ms = 1200.0
+    host_load_rounds = (20, 300)
 
     def __init__(self, name: str, section_id: str, table_ids: tuple[str, ...], device: str = "cpu"):
         self.name, self.section_id, self.table_ids, self.device = name, section_id, table_ids, device
@@ -286,6 +325,8 @@ class ModuleStudy:
         each other provider. Scaling (the 3% goal's time per call): adaattn and every available
         ``direct:<backend>``. G2-T1: every module provider of the case, none left out."""
         groups, keep = [], ["adaattn"]
+        loads = self.host_loads_us.get((self.section_id, self.device), ())
+        under_load = []  # the goal's groups once per host load
         for case in self.cases(params, target):
             if self.section_id == "G2-T1":
                 names = [p for p in case.providers if self.unavailable(p, self.device) is None]
@@ -296,15 +337,28 @@ class ModuleStudy:
             if "adaattn" not in names:
                 continue
             base = {"table_id": self.section_id, "case_id": case.case_id, "kernel": "", **case.config}
+            if loads:
+                base["host_load_us"] = 0.0
             for mode in case.modes:
                 timed = [p for p in names if mode == "fwd" or self.has_backward(p)]
                 groups.append((base, mode, {p: functools.partial(self.setup, case, p, mode != "fwd") for p in timed}))
+                under_load += [(base | {"host_load_us": us}, mode,
+                                {p: functools.partial(self._loaded_setup, case, p, mode != "fwd", us) for p in timed})
+                               for us in loads]
         if not groups:
             return []
         budget = (self.section_id, self.device)
         lo, hi = self.side_by_side_rounds[budget]
-        return side_by_side_rows(groups, self.device, keep=keep, budget_ms=self.side_by_side_ms[budget],
+        rows = side_by_side_rows(groups, self.device, keep=keep, budget_ms=self.side_by_side_ms[budget],
                                  min_rounds=lo, max_rounds=hi, paired="adaattn")
+        if under_load:
+            rows += side_by_side_rows(under_load, self.device, keep=keep, budget_ms=self.host_load_ms,
+                                      min_rounds=self.host_load_rounds[0], max_rounds=self.host_load_rounds[1],
+                                      paired="adaattn")
+        return rows
+
+    def _loaded_setup(self, case: Case, provider: str, requires_grad: bool, us: float) -> Workload:
+        return loaded(self.setup(case, provider, requires_grad), us)
 
     # ------------------------------------------------------------------ report
 

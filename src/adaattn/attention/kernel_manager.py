@@ -673,8 +673,7 @@ class AttentionKernelManager:
                     self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
                     del times[name], samples[name]
             names = [n for n in names if n in samples]
-            done = r + 1
-            if len(names) < 2 or (done >= CALL_ROUNDS[0] and done % CALL_BATCH == 0 and _settled(samples)):
+            if len(names) < 2 or (r + 1 >= CALL_ROUNDS[0] and (r + 1) % CALL_BATCH == 0 and _settled(samples)):
                 break
         if not samples:
             return times

@@ -367,8 +367,9 @@ BV_PROGRAMS_PER_SM = 1  # the key splits fill about this many programs per SM
 # segment only loads masked rows) times the padded head dim, at most MEAN_MAX_TILE elements, with a warp
 # per MEAN_PER_WARP of them (2-16 warps). From a sweep of the pooled means kernel on an H100 (bf16, 8 heads,
 # head dim 64, S 8192 and 16384, segments of 16-1024 rows, tiles of 2048-32768 elements, 2-16 warps):
-# the fastest at every segment length tried was a tile of one segment's rows at about this many elements
-# per warp. The fixed step it replaced (8192 elements, 4 warps) took more than twice as long at both ends of the sweep.
+# the fastest at every segment length tried had a step within 2x of the segment's rows and 1024-2048
+# elements per warp; the rule takes the segment's rows and the lower end. The fixed step it replaced (8192
+# elements, 4 warps) took more than twice as long at both ends of the sweep.
 MEAN_MAX_ROWS = 512
 MEAN_MAX_TILE = 32768
 MEAN_PER_WARP = 1024
@@ -567,7 +568,7 @@ def pooled_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, row
     p = _pooled_plan(S, D, rank)
     qr = q if rows is None else q[:, :, rows]
     Lr = qr.shape[2]
-    qs, ks, vs, qrs = q.stride(), k.stride(), v.stride(), qr.stride()
+    ks, vs, qrs = k.stride(), v.stride(), qr.stride()
     launch = _Launches(("pooled", B, Hq, Hkv, S, D, rank, Lr, q.device, q.dtype, k.dtype, v.dtype, ks, vs, qrs,
                         k.data_ptr() % 16, v.data_ptr() % 16, qr.data_ptr() % 16))
     off_w = B * Hkv * rank * D
