@@ -353,6 +353,47 @@ def test_scaling_times_the_goal_again_under_host_load(tmp_path, monkeypatch):
     assert len(per_call) == 1 and " of 2 above" in per_call[0].measured
 
 
+def test_scaling_takes_the_kernel_time_goal_for_a_manager_ranking_by_gpu_time(tmp_path, monkeypatch):
+    """Where the check is set (the GPU; here the CPU, with the kernel trace replaced: it needs CUDA), adaattn_gpu
+    (a manager made with objective "gpu") and every direct backend get one trace per shape and mode: a
+    goal_kernel_ms row each, adaattn_gpu's naming the backend its manager ranked first, that manager's rankings
+    among the manager rows, and a kernel-time verdict of its own."""
+    import adaattn_experiments.ada_modules as mod
+    from adaattn_experiments.ada_modules import SCALING, ModuleStudy
+    from adaattn_experiments.ada_modules_report import GOAL_TIMES, render
+
+    traced = []
+
+    def fake_trace(fns, calls):  # each call made for real; the "kernel time" of function i is 1 + i ms
+        for f in fns:
+            f()
+        traced.append(len(fns))
+        return [[1.0 + i] * calls for i in range(len(fns))]
+
+    monkeypatch.setattr(mod, "kernel_times_ms", fake_trace)
+    monkeypatch.setattr(ModuleStudy, "gpu_objective", frozenset({("G2-B", "cpu")}))
+    monkeypatch.setattr(ModuleStudy, "side_by_side_rounds", {("G2-B", "cpu"): (3, 4)})
+    params, _ = _params(**{"G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 32,
+                           "G2-B.cpu.embed_dim": 64})
+    df = _run(SCALING, params)
+    goal = df[df.metric == "goal_kernel_ms"]
+    direct = sorted(p for p in params.g2_b.cpu.providers if p.startswith("direct:"))
+    for (case, mode), g in goal.groupby(["case_id", "mode"]):
+        assert sorted(g.provider) == sorted(["adaattn_gpu", *direct]), (case, mode)
+        assert (g.status == "ok").all()
+        assert g[g.provider == "adaattn_gpu"].value.item() == 1.0  # listed first in its trace
+        assert g[g.provider == "adaattn_gpu"].kernel.item() in params.g2_b.cpu.manager_backends
+    assert len(traced) == goal.groupby(["case_id", "mode"]).ngroups == 4  # two shapes x fwd, fwd_bwd
+    ranked = df[df.metric == "manager_ranking"]
+    assert set(ranked.provider) == {"adaattn", "adaattn_gpu"}
+    assert ranked[ranked.provider == "adaattn_gpu"].unit.str.contains("ranked by gpu").all()
+    g2_b = render("scaling", df, tmp_path)[0]
+    gpu = [v for v in g2_b.verdicts if "objective gpu" in v.claim]
+    assert len(gpu) == 1 and gpu[0].measured.startswith(GOAL_TIMES["goal_kernel_ms"])
+    assert gpu[0].verdict == "holds" and " 0 of 4 above" in gpu[0].measured  # 1 ms against the directs' 2 ms and up
+    assert "| adaattn_gpu " in g2_b.markdown  # its rankings, in the manager table
+
+
 def test_goal_under_host_load_finds_whether_one_backend_holds_at_every_load():
     """Per shape: adaattn's ratio to the fastest direct backend at each load, and the backend whose worst
     ratio to the fastest over the loads is lowest; where even that one is above 1.03, the goal's verdict says
