@@ -4,6 +4,7 @@ argument errors."""
 
 import json
 import math
+import sys
 import time
 
 import pytest
@@ -400,6 +401,81 @@ def test_paired_rounds_stop_at_a_confident_lead_or_the_budget(monkeypatch):
     for bad in (-1.0, math.nan):
         with pytest.raises(ValueError, match="call_budget_ms must be >= 0"):
             AttentionKernelManager(call_budget_ms=bad)
+
+
+def test_a_ranking_is_looked_at_again_and_goes_by_the_worst_ratio(monkeypatch, tmp_path):
+    """Objective "call": the paired rounds' contenders take them again at the signature's first call each gap of
+    ``looks_s`` after the last look, and rank by their worst ratio to the fastest over the looks: a backend fastest in one
+    spell of the host and 20% behind in the next goes after one 5% behind in the first. A module's replay asks
+    the manager every ``LOOK_EVERY`` calls while a look is to come (no look before it is due), runs the new
+    first backend after it, and asks no more after the last look; while ``hold_looks`` a due look waits. The looks persist with the ranking; a cache's
+    looks still to come are due from its load."""
+    import types
+
+    import adaattn.attention.kernel_manager as kmod
+
+    typical, ran, clock = {"a": 1.0, "b": 1.05}, [], {"s": 1000.0}
+
+    def backend(name: str) -> Backend:
+        def run(q, k, v, m, c, s):
+            ran.append(name)
+            return BACKENDS["math"].run(q, k, v, m, c, s)
+
+        return Backend(name, run, BACKENDS["math"].why_not)
+
+    def turn(call, device, repeats):
+        call()
+        return typical[ran[-1]]
+
+    for name in typical:
+        monkeypatch.setitem(BACKENDS, name, backend(name))
+    monkeypatch.setattr(kmod, "_turn", turn)
+    monkeypatch.setattr(kmod, "time", types.SimpleNamespace(perf_counter=time.perf_counter, monotonic=lambda: clock["s"]))
+    path = tmp_path / "choices.json"
+    km = AttentionKernelManager(backends=["a", "b"], cache_path=path, looks_s=(10.0, 60.0))
+    ada = AdaAttention(E, H, kernel_manager=km, precision_mode="fp32", rank_mode="full")
+    x = torch.randn(2, 16, E)
+    with torch.no_grad():
+        ada(x, x, x)
+        (key,) = km.rankings
+        assert km.rankings[key] == ["a", "b"] and km.calls_until_look(key) == kmod.LOOK_EVERY
+        assert [(look.at_s, look.ms) for look in km.looks[key]] == [(0.0, pytest.approx(typical))]
+        saved = json.loads(path.read_text())["looks"][key]
+        assert len(saved) == 1 and saved[0][1] == pytest.approx(typical)
+        clock["s"] += 9.0
+        for _ in range(2 * kmod.LOOK_EVERY):  # the replay asks twice; the look is not due yet
+            ada(x, x, x)
+        assert len(km.looks[key]) == 1 and ada.get_statistics()["calls"] == {"a": 1 + 2 * kmod.LOOK_EVERY}
+        clock["s"] += 1.0
+        typical.update(a=1.2, b=1.0)
+        km.hold_looks = True  # a benchmark's timed calls: the look waits
+        for _ in range(kmod.LOOK_EVERY + 1):
+            ada(x, x, x)
+        assert len(km.looks[key]) == 1
+        km.hold_looks = False
+        for _ in range(kmod.LOOK_EVERY):  # the replay asks at its LOOK_EVERY-th call: the look is due
+            ada(x, x, x)
+        assert [look.at_s for look in km.looks[key]] == [0.0, 10.0] and km.rankings[key] == ["b", "a"]
+        assert kmod.worst_ratios(km.looks[key]) == pytest.approx({"a": 1.2, "b": 1.05})
+        calls = ada.get_statistics()["calls"]
+        assert sum(calls.values()) == 2 + 4 * kmod.LOOK_EVERY and calls["b"] and [p.backend for p in ada._plans.values()] == ["b"]
+        loaded = AttentionKernelManager(backends=["a", "b"], cache_path=path, looks_s=(10.0, 60.0))
+        assert loaded.rankings == km.rankings and [look.ms for look in loaded.looks[key]] == \
+            [look.ms for look in km.looks[key]] and loaded._due[key] == clock["s"] + 60.0
+        clock["s"] += 59.0  # 60 s after the first look, 49 after the last: not due
+        for _ in range(kmod.LOOK_EVERY + 1):
+            ada(x, x, x)
+        assert len(km.looks[key]) == 2
+        clock["s"] += 11.0
+        typical.update(a=1.0, b=1.1)  # a spell like the first: b's worst ratio is still the lower
+        for _ in range(kmod.LOOK_EVERY):
+            ada(x, x, x)
+        assert [look.at_s for look in km.looks[key]] == [0.0, 10.0, 80.0] and km.rankings[key] == ["b", "a"]
+        assert km.calls_until_look(key) == sys.maxsize and key not in km._due
+        assert max(p.limit for p in ada._plans.values()) == sys.maxsize  # no more looks: the replay asks no more
+    for bad in ((0.0,), (10.0, -1.0), (math.inf,), (math.nan,), ("10",)):
+        with pytest.raises(ValueError, match="looks_s must be finite times > 0"):
+            AttentionKernelManager(looks_s=bad)
 
 
 def _slow_backward(delay: float) -> Backend:

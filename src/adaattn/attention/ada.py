@@ -92,7 +92,7 @@ class _Plan:
     out_dtype: torch.dtype | None  # the output's dtype where it is not the compute dtype
     causal: bool
     scale: float
-    limit: int  # calls before the precision policy must look again (or the manager's choice may change)
+    limit: int  # calls before the precision policy must look again (or the manager may look again, or its choice change)
     checks: bool  # the precision policy counts the calls to its next look
     skipped: str | None  # why the low-rank path was not taken, counted per call (``MASKED``), or None
     calls: int = 0
@@ -393,19 +393,23 @@ class AdaAttention(nn.Module):
         else:
             self._ranks["full"] += 1
             if self._through_manager():
-                out, backend = self.manager(qc, kc, vc, mask, causal, scale, sig=sig if qc is q else None,
+                msig = sig if qc is q else Signature.of(qc, kc, mask_kind)  # the manager's: the compute dtype's
+                out, backend = self.manager(qc, kc, vc, mask, causal, scale, sig=msig,
                                             call=self._call_of(query, key, value, mask, causal, scale, dtype, sig.grad))
             else:
                 out = _sdpa_path(self.dropout if self.training else 0.0)(qc, kc, vc, mask, causal, scale)
         if call is not None:
             limit = self.precision.calls_until_check(key_) if policy else sys.maxsize
             if limit:  # None: the policy looks at every call
+                checks = limit != sys.maxsize
+                if backend:  # and the manager, when it has a look to come
+                    limit = min(limit, self.manager.calls_until_look(msig.key()))
                 skipped = MASKED if self.rank_mode != "full" and mask_kind != "none" else None
                 run = _low_rank(rank) if rank is not None else BACKENDS[backend].run if backend else \
                     _sdpa_path(self.dropout if self.training else 0.0)  # dropout: a policy attribute; training: in the key
                 self._file(call, _Plan(key_, q.dtype, sig.grad, dtype, rank, run, backend,
                                        self.manager if backend else None, None if dtype == query.dtype else query.dtype,
-                                       causal, scale, limit, limit != sys.maxsize, skipped))
+                                       causal, scale, limit, checks, skipped))
         out = out if out.dtype == query.dtype else out.to(query.dtype)
         out = self._out_proj(out, B, L, E)
         weights = self._weights(q, k, mask, causal, scale) if need_weights else None

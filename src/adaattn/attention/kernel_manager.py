@@ -19,6 +19,10 @@ backends, not on every call of one. Under objective "call" the backends within `
 fastest then take paired rounds (``_paired``: up to about ``call_budget_ms`` of calls per signature,
 1.5 s by default, less where one backend is ahead with confidence) and their time per call is their
 typical turn, not their fastest: at a host-bound shape the host's noise is most of a fastest burst.
+Those contenders take paired rounds again later (``looks_s``: at the signature's first call 10 s after
+its first look, and again 60 s after that), and the ranking goes by each one's worst ratio to the fastest over the
+looks (``_look``): a ranking taken once is taken in one spell of the host, and at a host-bound shape
+the fastest backend can change with the host's speed.
 
 The ranking (``rank_timings``) is by ``objective``: "call" (the default) by time per call, which is
 what a caller that makes one call after another waits for; "gpu" by GPU time, which is what the
@@ -52,11 +56,12 @@ import logging
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -296,7 +301,15 @@ CALL_SPREAD = 2.0
 CALL_ROUNDS = (10, 100)
 CALL_BATCH = 10
 CALL_BUDGET_MS = 1500.0
-METHOD = 8  # how rankings are measured (8: time per call in paired rounds); a cache written by another method is not trusted
+# objective "call": the contenders of the paired rounds (``_paired``) take them again at the signature's first call
+# this long (s) after its last look, one look per gap, and rank by their worst ratio to the fastest over the looks (``_look``).
+# Why: in the H100 scaling run at code 9dc0b0e8 the manager's paired rounds at B=1 S=4096 forward put forced
+# flash (0.209 ms per call) ahead of SDPA (0.22), both host-bound in a slow spell of the host; in the study's
+# side-by-side rounds later SDPA's shorter kernel won and the module took 1.130x its time per call, and a
+# manager ranking the same signature by GPU time after the sweep timed SDPA's call at 0.113 ms, flash's at 0.138
+LOOKS_S = (10.0, 60.0)
+LOOK_EVERY = 256  # calls: a replay of a choice with a look still to come asks the manager again this often
+METHOD = 9  # how rankings are measured (9: paired rounds, looked at again); a cache written by another method is not trusted
 OBJECTIVES = ("call", "gpu")  # what a ranking is by: time per call, or GPU time
 
 
@@ -310,6 +323,21 @@ class Timing:
     # (``paired_times``); without, the fastest burst (on a CPU, host_ms)
     call_ms: float
     rounds: int = 0  # paired rounds it took (objective "call": ``AttentionKernelManager._paired``)
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look of paired rounds at a signature's contenders (objective "call")."""
+
+    at_s: float  # seconds after the signature's first look (0: the first)
+    ms: dict[str, float] = field(default_factory=dict)  # typical time per call (``paired_times``), per contender
+    rounds: int = 0
+
+
+def worst_ratios(looks: Sequence[Look]) -> dict[str, float]:
+    """Each backend timed in every look: its highest ratio, over the looks, to the fastest of that look."""
+    names = [n for n in looks[0].ms if all(n in look.ms for look in looks)] if looks else []
+    return {n: max(look.ms[n] / min(look.ms[m] for m in names) for look in looks) for n in names}
 
 
 def rank_timings(times: dict[str, Timing], objective: str = "call", host_slack: float = HOST_SLACK, tie: float = TIE,
@@ -472,7 +500,8 @@ class AttentionKernelManager:
     """Picks, per signature, the fastest backend measured on this machine; falls back down its ranking."""
 
     def __init__(self, backends: list[str] | None = None, cache_path: str | os.PathLike | None = None,
-                 warmup: int = 1, repeats: int = 5, objective: str = "call", call_budget_ms: float = CALL_BUDGET_MS):
+                 warmup: int = 1, repeats: int = 5, objective: str = "call", call_budget_ms: float = CALL_BUDGET_MS,
+                 looks_s: Sequence[float] = LOOKS_S):
         names = list(BACKENDS) if backends is None else list(backends)
         unknown = [n for n in names if n not in BACKENDS]
         if unknown or not names:
@@ -483,6 +512,15 @@ class AttentionKernelManager:
             raise ValueError(f"objective {objective!r} is not one of: {', '.join(OBJECTIVES)}")
         if not call_budget_ms >= 0:  # NaN too
             raise ValueError(f"call_budget_ms must be >= 0 (0: no paired rounds); got {call_budget_ms}")
+        looks_s = tuple(looks_s)
+        if not all(isinstance(t, int | float) and 0 < t < math.inf for t in looks_s):
+            raise ValueError(f"looks_s must be finite times > 0 (s from one look at a signature to the next; () for "
+                             f"none); got {looks_s}")
+        self.looks_s = looks_s
+        # True: looks that come due wait for a call made with it False (a benchmark holds them through its timed
+        # calls, where a look's paired rounds would count as the call's time and memory, and lets them run in
+        # its warm-up)
+        self.hold_looks = False
         self.backends = names
         self.objective = objective
         self.call_budget_ms = call_budget_ms
@@ -490,6 +528,9 @@ class AttentionKernelManager:
         self.cache_path = Path(cache_path) if cache_path is not None else None
         self.timings: dict[str, dict[str, Timing]] = {}  # signature -> backend -> what its ranking came from
         self.timed: dict[str, str] = {}  # signature -> what was timed: "call" (the caller's) or "op" (the op alone)
+        self.looks: dict[str, list[Look]] = {}  # signature -> its looks of paired rounds (objective "call")
+        self._first: dict[str, float] = {}  # signature -> time.monotonic() of its first look (a cache's: its last at the load)
+        self._due: dict[str, float] = {}  # signature -> time.monotonic() its next look is due at (none: no more)
         self.rankings: dict[str, list[str]] = self._load()
         self.calls: Counter[str] = Counter()
         self.fallbacks: Counter[tuple[str, str]] = Counter()  # (backend, reason)
@@ -565,6 +606,12 @@ class AttentionKernelManager:
             if key in rankings:
                 self.timings[key] = {b: Timing(*t) for b, t in times.items()}
         self.timed = {k: v for k, v in data.get("timed", {}).items() if k in rankings}
+        now = time.monotonic()
+        for key, looks in data.get("looks", {}).items():  # looks still to come: as if the last were taken now
+            if key in rankings and looks:
+                self.looks[key] = [Look(at, dict(ms), rounds) for at, ms, rounds in looks]
+                self._first[key] = now - self.looks[key][-1].at_s
+                self._schedule(key)
         return rankings
 
     def _save(self) -> None:
@@ -573,7 +620,8 @@ class AttentionKernelManager:
         self.cache_path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"torch": torch.__version__, "method": METHOD, "objective": self.objective, "rankings": self.rankings,
                    "timings": {k: {b: [t.host_ms, t.gpu_ms, t.call_ms, t.rounds] for b, t in times.items()}
-                               for k, times in self.timings.items()}, "timed": self.timed}
+                               for k, times in self.timings.items()}, "timed": self.timed,
+                   "looks": {k: [[look.at_s, look.ms, look.rounds] for look in looks] for k, looks in self.looks.items()}}
         fd, tmp = tempfile.mkstemp(dir=self.cache_path.parent, prefix=self.cache_path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=1, sort_keys=True)
@@ -600,6 +648,9 @@ class AttentionKernelManager:
             ranked = self._measure(sig, q, k, v, attn_mask, is_causal, scale, call)
             self.rankings[key] = ranked
             self._save()
+        elif key in self._due and not self.hold_looks and time.monotonic() >= self._due[key]:
+            ranked = self._look(sig, self._calls(sig, q, k, v, attn_mask, is_causal, scale, call), q.device)
+            self._save()
         return [b for b in ranked if b not in self._disabled] if self._disabled else ranked
 
     def _measure(self, sig, q, k, v, attn_mask, is_causal, scale, call=None) -> list[str]:
@@ -611,9 +662,7 @@ class AttentionKernelManager:
         cuDNN, the same kernel behind a context manager). After ``CONTENDER_ROUNDS`` rounds a backend more than
         ``CONTENDER`` times slower than the fastest (by the ranking's time) takes no more turns: it cannot
         come first, and at long sequences the math backends' calls are most of the measurement."""
-        calls = {name: call(BACKENDS[name].run) if call is not None else
-                 _workload(BACKENDS[name].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
-                 for name, why in self.candidates(sig) if why is None}
+        calls = self._calls(sig, q, k, v, attn_mask, is_causal, scale, call)
         turns: dict[str, list[Timing]] = {name: [] for name in calls}
         names = list(calls)
         for r in range(ROUNDS):
@@ -635,11 +684,62 @@ class AttentionKernelManager:
         if not times:
             raise RuntimeError(f"no attention backend can run {sig}: " + "; ".join(
                 f"{n}: {w}" for n, w in self.candidates(sig) if w))
-        self.timings[sig.key()] = times
-        self.timed[sig.key()] = "op" if call is None else "call"
+        key = sig.key()
+        self.timings[key] = times
+        self.timed[key] = "op" if call is None else "call"
         paired = {n: t for n, t in times.items() if t.rounds}  # their times are typical turns, the others' fastest
         rest = {n: t for n, t in times.items() if not t.rounds}
+        if len(paired) > 1:
+            self.looks[key] = [Look(0.0, {n: t.call_ms for n, t in paired.items()}, max(t.rounds for t in paired.values()))]
+            self._first[key] = time.monotonic()
+            self._schedule(key)
         return (rank_timings(paired, self.objective) if paired else []) + (rank_timings(rest, self.objective) if rest else [])
+
+    def _calls(self, sig, q, k, v, attn_mask, is_causal, scale, call=None) -> dict[str, Callable[[], object]]:
+        """The call to time per backend that can run ``sig``: the caller's (``call(run)``) or the op alone."""
+        return {name: call(BACKENDS[name].run) if call is not None else
+                _workload(BACKENDS[name].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
+                for name, why in self.candidates(sig) if why is None}
+
+    def _schedule(self, key: str) -> None:
+        """When ``key``'s next look is due (its gap in ``looks_s`` after the last), or none when it has had them all."""
+        looks = self.looks[key]
+        if len(looks) <= len(self.looks_s):
+            self._due[key] = self._first[key] + looks[-1].at_s + self.looks_s[len(looks) - 1]
+        else:
+            self._due.pop(key, None)
+
+    def calls_until_look(self, key: str) -> int:
+        """How many calls of signature ``key`` a caller may make without asking the manager (a replay of its
+        choice: AdaAttention's plans): ``LOOK_EVERY`` while a look is to come (the calls that ask find out
+        whether it is due), otherwise any number."""
+        return LOOK_EVERY if key in self._due else sys.maxsize
+
+    def _look(self, sig: Signature, calls: dict[str, Callable[[], object]], device: torch.device) -> list[str]:
+        """A look that came due: the first look's contenders that can still run take paired rounds again
+        (``_rounds``, on this call's inputs); the signature's ranking then puts those timed in every look
+        first, by their worst ratio to the fastest over the looks (``worst_ratios``; ties as ``rank_timings``),
+        then the rest as before. A backend that fails here is not a candidate. Where the first backend
+        changes, the replays of the old choice ask again (``track``; those of other signatures with the same
+        backend too: they find their own choice unchanged)."""
+        key = sig.key()
+        looks, old = self.looks[key], self.rankings[key]
+        est = {n: looks[-1].ms[n] for n in looks[0].ms if n in calls}
+        typical, rounds = self._rounds(calls, list(est), est, device) if len(est) > 1 else ({}, 0)
+        looks.append(Look(time.monotonic() - self._first[key], typical, rounds))
+        self._schedule(key)
+        worst = worst_ratios(looks)
+        times = self.timings[key]
+        timed = rank_timings({n: Timing(times[n].host_ms, times[n].gpu_ms, r, rounds) for n, r in worst.items()},
+                             self.objective) if worst else []
+        failed = {n for n in est if n not in typical} if len(est) > 1 else set()
+        ranked = timed + [n for n in old if n not in timed and n not in failed]
+        self.rankings[key] = ranked
+        if ranked[:1] != old[:1]:
+            for plan in tuple(self._tracked):
+                if plan.backend == old[0]:
+                    plan.limit = plan.calls
+        return [b for b in ranked if b not in self._disabled] if self._disabled else ranked
 
     def _paired(self, calls: dict[str, Callable[[], object]], times: dict[str, Timing],
                 device: torch.device) -> dict[str, Timing]:
@@ -660,10 +760,20 @@ class AttentionKernelManager:
         names = [n for n, t in times.items() if t.call_ms <= CALL_SPREAD * best]
         if len(names) < 2:
             return times
-        per_round = sum(times[n].call_ms for n in names) * (self.repeats + 1 if device.type == "cuda" else 1)
+        typical, done = self._rounds(calls, names, {n: times[n].call_ms for n in names}, device)
+        times = {n: t for n, t in times.items() if n in typical or n not in names}  # those that failed are out
+        for name, ms in typical.items():
+            t = times[name]
+            times[name] = Timing(t.host_ms, t.gpu_ms, ms, done)
+        return times
+
+    def _rounds(self, calls: dict[str, Callable[[], object]], names: list[str], est_ms: dict[str, float],
+                device: torch.device) -> tuple[dict[str, float], int]:
+        """Paired rounds of ``names`` (``_paired``; ``est_ms``: each one's time per call, for the budget): their
+        typical turns (``paired_times``) and the rounds taken; a backend that fails is left out, its reason noted."""
+        per_round = sum(est_ms[n] for n in names) * (self.repeats + 1 if device.type == "cuda" else 1)
         most = min(CALL_ROUNDS[1], max(CALL_ROUNDS[0], math.ceil(self.call_budget_ms / per_round)))
         samples: dict[str, list[float]] = {n: [] for n in names}
-        times = dict(times)
         for r in range(most):
             first = r % len(names)
             for name in names[first:] + names[:first]:
@@ -671,17 +781,13 @@ class AttentionKernelManager:
                     samples[name].append(_turn(calls[name], device, self.repeats))
                 except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
                     self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
-                    del times[name], samples[name]
+                    del samples[name]
             names = [n for n in names if n in samples]
             if len(names) < 2 or (r + 1 >= CALL_ROUNDS[0] and (r + 1) % CALL_BATCH == 0 and _settled(samples)):
                 break
         if not samples:
-            return times
-        done = len(next(iter(samples.values())))
-        for name, ms in paired_times(samples).items():
-            t = times[name]
-            times[name] = Timing(t.host_ms, t.gpu_ms, ms, done)
-        return times
+            return {}, 0
+        return paired_times(samples), len(next(iter(samples.values())))
 
     def _time_of(self, t: Timing) -> float:
         """What the ranking is by (``rank_timings``)."""
