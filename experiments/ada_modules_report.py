@@ -15,9 +15,9 @@ from adaattn.attention.kernel_manager import (CALL_BUDGET_MS, CALL_ROUNDS, CALL_
                                                 LOOKS_S, ROUNDS, TIE)
 from adaattn.attention.kernel_manager import CONTENDER as MGR_CONTENDER
 from adaattn.report.common import Section, Verdict, fmt, guide_figures, md_table, save_figure
+from adaattn_experiments.ada_modules import GOAL_OVERHEAD
 from adaattn_experiments.side_by_side import BURST, CI_LEVEL, CONTENDER
 
-GOAL_OVERHEAD = 1.03  # adaattn at most 3% slower than the fastest backend called directly
 SAME_TOLERANCE = 0.10  # G2-T1: "the same ms" within 10%
 MAIN = ["mha", "standard", "adaattn", "adaattn_auto", "adaattn_noopt"]
 GOAL_TIMES = {"kernel_ms": "kernel time (GPU, summed over the call's kernels; the providers' calls "
@@ -200,7 +200,10 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path, loaded: pd.Dat
         f"(on a GPU a turn is {BURST} calls on a flushed, drained queue, the first not counted, the other "
         f"{BURST - 1} back to back and timed together; after a first block of rounds a direct backend that "
         f"another beats with {CI_LEVEL:.0%} confidence leaves the rounds, as it cannot be the fastest, and the rest "
-        "of the budget goes to the others: `experiments/side_by_side.py`). The ratio is taken round by round, adaattn's turn over each backend's in "
+        "of the budget goes to the others; where then the interval of adaattn's ratio to a backend still in "
+        f"the rounds spans {GOAL_OVERHEAD}, those take one more block of rounds, as many again, once, and the "
+        "ratios come from all of them: `experiments/side_by_side.py`). The ratio is taken round by round, "
+        "adaattn's turn over each backend's in "
         "the same round, and its median over the rounds is the goal's ratio to that backend: a drift between "
         "rounds cancels in it (column `adaattn / fastest direct, per round`: the median, its "
         f"{CI_LEVEL:.0%} confidence interval (distribution-free: order statistics of the rounds' ratios), the "
@@ -296,7 +299,8 @@ def _load_markdown(load_rows: list[dict]) -> str:
             "`experiments/ada_modules.py`, cites where it did). Here the goal's providers take side-by-side rounds "
             "once more with every call preceded by a fixed spell of other host work (a busy wait of the load in "
             "the column head; 0 us: the rounds above): adaattn's per-round ratio to the fastest direct backend "
-            f"(median, its {CI_LEVEL:.0%} confidence interval) and that backend. The times include the load. The manager "
+            f"(median, its {CI_LEVEL:.0%} confidence interval) and that backend; the rounds go as above, the second "
+            "block where open included. The times include the load. The manager "
             "ranks each signature by its own calls, without a load (its later looks too). Last column: the direct backend whose highest ratio to the "
             "fastest over the loads is lowest, its ratio at each load from the paired ratios (adaattn's ratio to the "
             f"fastest over its ratio to that backend): where it is above {GOAL_OVERHEAD}, no choice made per signature "

@@ -26,7 +26,9 @@ confidence interval of the median of their round-by-round ratio below 1, ``outpa
 rounds: it cannot be the fastest rival, which is what a goal compares against, and the rest of the
 budget goes to rounds of the others. Timed to the end, every backend within ``CONTENDER`` of the
 fastest took a turn in every round, and the two turns that decide a goal's ratio (adaattn's and
-the fastest backend's) got the smaller share of the budget the more backends were close.
+the fastest backend's) got the smaller share of the budget the more backends were close. Where a
+goal's question is still open after that (``settle``: the interval of the ratio to a rival still in
+the rounds spans the goal's bound), those providers take one block more, as much again, once.
 
 Designs measured and dropped (H100): one call per turn behind another provider's GPU work hid a
 host-bound call's host time (the fused Nyström path came out at its kernel time, 4x under its
@@ -145,7 +147,7 @@ def interleaved_samples_ms(calls: Sequence[Callable[[], object]], device: str, r
 
 def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], Workload]]]], device: str,
                       keep: Sequence[str], budget_ms: float, min_rounds: int, max_rounds: int,
-                      paired: str | None = None) -> list[dict]:
+                      paired: str | None = None, settle: float | None = None) -> list[dict]:
     """``side_by_side_ms`` rows, one per (group, provider). A group: (the rows' common fields: table,
     case and config columns; mode; provider -> a function that builds its workload). Each group's
     providers are warmed up and timed alone first; ``keep`` names the providers under test, always
@@ -158,9 +160,16 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
     run gets an error row; the others still run. ``paired`` (one of ``keep``): also a ``paired_ratio``
     row per other timed provider, ``paired``'s time over that provider's, round by round over the
     rounds both took part in (``round_ratios``), and its median's ``CI_LEVEL`` confidence bounds
-    (``paired_ratio_ci_low`` and ``paired_ratio_ci_high`` rows: ``median_ci``)."""
+    (``paired_ratio_ci_low`` and ``paired_ratio_ci_high`` rows: ``median_ci``). ``settle`` (a goal's
+    bound on ``paired``'s ratio): where, after those rounds, the interval of ``paired``'s ratio to a
+    provider still in them spans it, the providers still in take one more block of rounds, about
+    ``budget_ms`` of calls (at most ``max_rounds``), and the ratios come from all the rounds: a question
+    the budget left open gets one more look, not as many as it takes (each look would be one more
+    chance of an interval that misses). The rows' unit says how many rounds that block held."""
     if paired is not None and paired not in keep:
         raise ValueError(f"paired provider {paired!r} must be one of keep: {', '.join(keep)}")
+    if settle is not None and paired is None:
+        raise ValueError("settle needs a paired provider (the bound is on its ratio)")
     if not 1 <= min_rounds <= max_rounds:
         raise ValueError(f"need 1 <= min_rounds <= max_rounds; got {min_rounds}, {max_rounds}")
     rows = []
@@ -205,11 +214,22 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
                 for i, x in zip(rest, interleaved_samples_ms([calls[i] for i in rest], device, more, SEED + 1),
                                 strict=True):
                     by_index[i] += x
+            again = 0  # rounds of the block that settles an open question (``settle``)
+            if settle is not None and paired in names and names.index(paired) in rest:
+                mine = by_index[names.index(paired)]
+                if any(_spans(median_ci(round_ratios(mine, by_index[i])), settle) for i in rest if names[i] != paired):
+                    again = min(max_rounds, fit(rest, budget_ms))
+                    for i, x in zip(rest, interleaved_samples_ms([calls[i] for i in rest], device, again, SEED + 2),
+                                    strict=True):
+                        by_index[i] += x
         by_name = {names[i]: by_index[i] for i in timed}
+        settled = (f" ({again} of them a second block: the interval of {paired}'s ratio to a provider in the rounds "
+                   f"spanned {settle:g})") if again else ""
         for name, x in by_name.items():
             why = (f"left the rounds after {first}: {left[name]} faster with {CI_LEVEL:.0%} confidence"
                    if name in left else "")
-            rows.append({**row, "provider": name, **_stats(quantiles(x)), "unit": f"{unit}; {len(x)} rounds",
+            rows.append({**row, "provider": name, **_stats(quantiles(x)),
+                         "unit": f"{unit}; {len(x)} rounds" + (settled if name not in left else ""),
                          "status": "ok", "reason": why})
         for name, x in by_name.items() if paired in by_name else ():
             if name != paired:
@@ -225,6 +245,10 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _spans(interval: tuple[float, float], bound: float) -> bool:
+    return interval[0] <= bound <= interval[1]
 
 
 def outpaced(samples: Mapping[str, Sequence[float]], level: float = CI_LEVEL) -> dict[str, str]:

@@ -312,6 +312,26 @@ def test_hooks_compile_and_tracing_take_nn_module_call(monkeypatch):
     monkeypatch.setattr(nn.Module, "_call_impl", lambda self, *a, **k: module_calls.append(1) or real_impl(self, *a, **k))
     torch.testing.assert_close(ada(x, x, x)[0], want)
     assert not module_calls  # nothing to do for nn.Module.__call__: forward directly
+    forwards = []
+    with monkeypatch.context() as m:  # an unmasked call without weights goes straight to its replay
+        m.setattr(ada, "forward", lambda *a, **k: forwards.append(1) or AdaAttention.forward(ada, *a, **k))
+        torch.testing.assert_close(ada(x, x, x, is_causal=False)[0], want)
+        assert not forwards
+        mask = torch.zeros(6, 6, dtype=torch.bool)
+        torch.testing.assert_close(ada(x, x, x, mask)[0], want)  # nothing masked: the same output, through forward
+        assert len(forwards) == 1 and not module_calls
+
+    seen_args = []  # with a hook, nn.Module.__call__ gets q, k, v and the arguments that are not their defaults
+    h = ada.register_forward_pre_hook(lambda m, args, kwargs: seen_args.append((len(args), sorted(kwargs))),
+                                      with_kwargs=True)
+    ada(x, x, x, None, None, False, True)
+    ada(x, x, x, attn_mask=mask, need_weights=True)
+    h.remove()
+    assert seen_args == [(3, ["is_causal"]), (3, ["attn_mask", "need_weights"])]
+    assert len(module_calls) == 2
+    module_calls.clear()
+    with pytest.raises(TypeError, match="average_attn_weights"):
+        ada(x, x, x, average_attn_weights=True)
 
     seen = []
     handles = [ada.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 0, *args[1:]), kwargs),

@@ -184,3 +184,43 @@ def test_rivals_outpaced_in_the_first_rounds_leave_and_the_rest_take_the_budget(
     rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=8,
                              max_rounds=40)
     assert {r["unit"].rsplit("; ", 1)[1] for r in rows} == {"8 rounds"} and not any(r["reason"] for r in rows)
+
+
+def test_an_open_goal_takes_one_more_block_of_rounds(monkeypatch):
+    """``settle``: where the interval of the paired provider's ratio to a rival still in the rounds spans the
+    goal's bound, those providers take one more block of rounds (its own seed), once; the ratios come from
+    all the rounds. Scripted turns: kept's ratio to rival alternates 0.9 and 1.1, rival's twin (an exact copy)
+    leaves after the first block."""
+    import adaattn_experiments.side_by_side as sbs
+
+    blocks = []
+
+    def scripted(calls, device, rounds, seed=sbs.SEED):
+        blocks.append((len(calls), rounds, seed))
+        kept = [1.0 + (0.1 if j % 2 else -0.1) for j in range(rounds)]
+        return [kept] + [[1.0 + 0.01 * i] * rounds for i in range(len(calls) - 1)]
+
+    monkeypatch.setattr(sbs, "interleaved_samples_ms", scripted)
+    base = {"table_id": "T", "case_id": "c", "kernel": ""}
+    builders = {"kept": lambda: _sleeper(1.0), "rival": lambda: _sleeper(1.0), "twin": lambda: _sleeper(1.0)}
+
+    def run(settle):
+        blocks.clear()
+        rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=60, min_rounds=10,
+                                 max_rounds=25, paired="kept", settle=settle)
+        return {(r["provider"], r["metric"]): r for r in rows}
+
+    rows = run(1.0)  # 0.9-1.1 spans 1.0: a second block, of kept and rival (twin left: rival beats it)
+    first, more, again = blocks
+    assert first[:2] == (3, 10) and more[0] == again[0] == 2 and again[2] == sbs.SEED + 2
+    n = 10 + more[1] + again[1]
+    unit = rows[("rival", "side_by_side_ms")]["unit"]
+    assert f"; {n} rounds ({again[1]} of them a second block" in unit and "spanned 1)" in unit
+    assert rows[("kept", "side_by_side_ms")]["unit"] == unit
+    assert rows[("twin", "side_by_side_ms")]["unit"].endswith("; 10 rounds")
+    assert f"over {n} rounds" in rows[("rival", "paired_ratio")]["unit"]
+    rows = run(1.5)  # the interval lies below 1.5: no second block
+    assert len(blocks) == 2 and "second block" not in rows[("rival", "side_by_side_ms")]["unit"]
+    with pytest.raises(ValueError, match="settle needs a paired provider"):
+        side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=1,
+                          max_rounds=1, settle=1.03)

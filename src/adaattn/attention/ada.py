@@ -46,7 +46,11 @@ ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file for the shared manager's measure
 _shared: AttentionKernelManager | None = None
 _grad_enabled = torch.is_grad_enabled  # read on every call
 _tracing_state = torch._C._get_tracing_state  # torch.jit.trace in progress (nn.Module.__call__ reads it too)
+_Module = nn.Module
 _module_call = nn.Module.__call__  # as torch defines it (torch.fx's tracer patches it to see module calls)
+# the global hook registries nn.Module.__call__ reads (torch fills and empties them, never rebinds them)
+_GLOBAL_HOOKS = (_nn_module._global_forward_pre_hooks, _nn_module._global_forward_hooks,
+                 _nn_module._global_backward_pre_hooks, _nn_module._global_backward_hooks)
 
 
 MAX_PLANS = 256  # replay plans per module, one per kind of call; the oldest goes first
@@ -72,7 +76,7 @@ class _Plan:
     kernel). A replay then still read more than it needed. Side by side with the direct call on the
     H100 host (B=1, S=512-4096, E=512 bf16, two machines), the module took 1.019-1.078x its time when
     the key held the inputs' dtype and device and each call checked that the manager's choices still
-    held and bumped its counter; 1.019-1.034x with ``forward``'s inline replay below. The counter
+    held and bumped its counter; 1.019-1.034x with the inline replay (``_replayed``). The counter
     alone was 0.7-1.6% of a call, so the manager counts a plan's calls when asked (``track``).
     Scratch timings during these changes, not a study.
 
@@ -308,57 +312,75 @@ class AdaAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                 key_padding_mask: Tensor | None = None, need_weights: bool = False,
+                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
         """``forward``, as ``nn.Module.__call__`` calls it when it has nothing else to do: no hook on this
         module and no global one, not compiled (``compile()``), no ``torch.jit.trace`` in progress, and
         ``nn.Module.__call__`` not patched (``torch.fx.symbolic_trace`` patches it to record module calls);
-        otherwise ``nn.Module.__call__`` itself. Its two dispatch frames (``_wrapped_call_impl``,
-        ``_call_impl``), each passing the arguments on, cost 0.4 us of host time per call on the development
-        CPU (scratch timing, torch 2.13), over 1% of a host-bound call: the replay's own Python (the plan's
-        key, lookup and checks) costs about as much again."""
-        if nn.Module.__call__ is _module_call and self._compiled_call_impl is None and not (
+        otherwise ``nn.Module.__call__`` itself, which gets query, key and value as positional arguments
+        and the others as keywords where they are not their defaults. An unmasked call without weights
+        goes straight to its replay (``_replayed``).
+
+        Why: at a host-bound shape the module's time over the direct call's is its Python. On a lent
+        H100's host (torch 2.11, Python 3.12; scratch timings, E=512 bf16 forward, the module and the
+        direct call side by side in 2000 shuffled rounds, ``experiments/side_by_side.py``), at B=1 S=512
+        and 1024 the module took 1.010 and 1.012x the direct call's time per call when this method took
+        ``*args, **kwargs`` and passed them on to ``forward`` (``nn.Module.__call__``'s two frames
+        skipped), and 0.995 and 0.999x as it is: passing a keyword on through ``**kwargs`` cost 465 ns
+        there, against 94 ns bound directly. At B=1 S=4096 and B=4 S=1024, where the GPU's time
+        decides: 0.998x at both then, 0.999 and 1.001x as it is."""
+        if _Module.__call__ is _module_call and self._compiled_call_impl is None and not (
                 self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks
-                or _nn_module._global_forward_pre_hooks or _nn_module._global_forward_hooks
-                or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks) \
+                or _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3]) \
                 and _tracing_state() is None:
-            return self.forward(*args, **kwargs)
-        return nn.Module.__call__(self, *args, **kwargs)
+            if attn_mask is None and key_padding_mask is None and not need_weights:
+                return self._replayed(query, key, value, is_causal), None
+            return self.forward(query, key, value, attn_mask, key_padding_mask, need_weights, is_causal)
+        kwargs = {name: val for name, val, default in (("attn_mask", attn_mask, None),
+                                                       ("key_padding_mask", key_padding_mask, None),
+                                                       ("need_weights", need_weights, False),
+                                                       ("is_causal", is_causal, False)) if val is not default}
+        return _Module.__call__(self, query, key, value, **kwargs)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                 key_padding_mask: Tensor | None = None, need_weights: bool = False,
                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
         if attn_mask is not None or key_padding_mask is not None or need_weights:
             return self._forward(None, query, key, value, attn_mask, key_padding_mask, need_weights, is_causal)
-        # a call like an earlier one replays what the policies decided for it (see _Plan); self-attention
-        # (one tensor: one GEMM projects it) and cross-attention keys differ in length. The inputs' dtype
-        # and device are not in the key: the projections' dtype is checked below, and moving the module
-        # drops the plans (``_apply``)
+        return self._replayed(query, key, value, is_causal), None
+
+    def _replayed(self, query: Tensor, key: Tensor, value: Tensor, is_causal: bool) -> Tensor:
+        """The output of an unmasked call without weights: a call like an earlier one replays what the
+        policies decided for it (see _Plan); self-attention (one tensor: one GEMM projects it) and
+        cross-attention keys differ in length. The inputs' dtype and device are not in the key: the
+        projections' dtype is checked below, and moving the module drops the plans (``_apply``)."""
         shape = query.shape
         call = (shape, is_causal, self.training, _grad_enabled()) if query is key and key is value \
             else (shape, key.shape, value.shape, is_causal, self.training, _grad_enabled())
         plan = self._plans.get(call)
         if plan is None:
-            return self._forward(call, query, key, value, None, None, False, is_causal)
+            return self._forward(call, query, key, value, None, None, False, is_causal)[0]
         if plan.calls >= plan.limit or not self.batch_first:
-            return self._replay(call, plan, query, key, value), None
+            return self._replay(call, plan, query, key, value)
         # the replay of a batch-first call, inline (``_replay`` in full): at a host-bound shape this Python
         # is the module's time over the direct call's, so it reads as few objects as it can (the manager
         # counts the plan's calls when asked, and stops the plan when its choice may change: ``track``)
         q, k, v = self._project(query, key, value)
         if q.dtype is not plan.q_dtype or (call[-1] and (q.requires_grad or k.requires_grad) != plan.grad):
             self._retire(call)  # autocast, frozen weights: every policy again
-            return self._forward(call, query, key, value, None, None, False, is_causal, (q, k, v))
+            return self._forward(call, query, key, value, None, None, False, is_causal, (q, k, v))[0]
         if plan.dtype is not plan.q_dtype:
             q, k, v = q.to(plan.dtype), k.to(plan.dtype), v.to(plan.dtype)
         try:
             out = plan.run(q, k, v, None, plan.causal, plan.scale)
         except Exception:  # noqa: BLE001 - _forward takes every policy again (the manager falls back, logs why)
             self._retire(call)
-            return self._forward(call, query, key, value, None, None, False, is_causal, (q, k, v))
+            return self._forward(call, query, key, value, None, None, False, is_causal, (q, k, v))[0]
         plan.calls += 1
         if plan.out_dtype is not None:
             out = out.to(plan.out_dtype)
-        return self._out_proj(out, *shape), None
+        return self._out_proj(out, *shape)
 
     def _forward(self, call: tuple | None, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
                  key_padding_mask: Tensor | None, need_weights: bool, is_causal: bool,
@@ -461,7 +483,7 @@ class AdaAttention(nn.Module):
 
     def _replay(self, call: tuple, plan: _Plan, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """``_forward``'s work with its decisions taken from ``plan``: the projections, the chosen path, the
-        output projection, a count. Back to ``_forward`` when the plan no longer applies. ``forward`` runs
+        output projection, a count. Back to ``_forward`` when the plan no longer applies. ``_replayed`` runs
         this inline for batch-first calls."""
         if plan.calls >= plan.limit:
             self._retire(call)
