@@ -1,6 +1,7 @@
 """The harness: formulas, quantiles, status rows, memory, accuracy, atomic writes."""
 
 import math
+import warnings
 
 import pandas as pd
 import pytest
@@ -11,6 +12,7 @@ from adaattn.bench import results as results_mod
 from adaattn.bench.accuracy import accuracy
 from adaattn.bench.harness import Case, Harness, Workload, classify_error
 from adaattn.errors import Unsupported
+from adaattn.bench import trace as trace_mod
 from adaattn.bench.memory import peak_memory_bytes
 from adaattn.bench.roofline import Ceilings, gbps, mode_flops, tflops
 from adaattn.bench.timing import CpuTimer, quantiles
@@ -61,6 +63,22 @@ def test_cpu_peak_memory_sees_a_known_allocation():
 
     peak = peak_memory_bytes(fn, "cpu")
     assert 16 * 2**20 <= peak < 17 * 2**20
+
+
+def test_profiler_sessions_detach_cupti_when_they_stop(monkeypatch):
+    """Kineto reads TEARDOWN_CUPTI when a session stops: a profiled call sets it where it is unset; a
+    value the caller set stays, with one warning per value."""
+    monkeypatch.delenv(trace_mod.TEARDOWN, raising=False)
+    monkeypatch.setattr(trace_mod, "_warned", set())
+    peak_memory_bytes(lambda: torch.ones(4), "cpu")
+    assert trace_mod.os.environ[trace_mod.TEARDOWN] == "1"
+    monkeypatch.setenv(trace_mod.TEARDOWN, "0")
+    with pytest.warns(RuntimeWarning, match="TEARDOWN_CUPTI='0'"):
+        assert trace_mod.detach_cupti_after_sessions() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peak_memory_bytes(lambda: torch.ones(4), "cpu")  # warned once for this value
+    assert trace_mod.os.environ[trace_mod.TEARDOWN] == "0"
 
 
 def test_accuracy_metrics():

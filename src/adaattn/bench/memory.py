@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from adaattn.bench.trace import profiler_session
+
 
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[None]:
@@ -36,7 +38,7 @@ class Profiled:
 
 def profiled_call(fn: Callable[[], object], device: str, top: int = 3) -> Profiled:
     """One call under the profiler: its peak memory and the kernels it ran (one call for both)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     cuda = device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -44,7 +46,7 @@ def profiled_call(fn: Callable[[], object], device: str, top: int = 3) -> Profil
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    with quiet_stderr(), profile(activities=activities, profile_memory=not cuda) as prof:
+    with quiet_stderr(), profiler_session(activities, profile_memory=not cuda) as prof:
         out = fn()
         if cuda:
             torch.cuda.synchronize()

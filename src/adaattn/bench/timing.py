@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from adaattn.bench.trace import profiler_session
+
 QUANTILES = (0.2, 0.5, 0.8)
 
 
@@ -174,11 +176,11 @@ def kernel_times_ms(fns: Sequence[Callable[[], object]], calls: int,
     rounds), not one function's calls and then the next's: whatever drifts over a session (clocks,
     the state earlier work leaves behind) then lands on every function alike, so their ratios do
     not depend on the order they are listed in. None when the trace cannot be cut into calls."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profiler_session([ProfilerActivity.CUDA]) as prof:
         for i in round_robin(len(fns), calls):
             for t in grad_to_none or []:
                 t.grad = None
