@@ -113,9 +113,59 @@ def _timed_name(backend: str, t: Timing | None) -> str:
     return f"{backend} ({t.call_ms:.3g}{'' if t.rounds else '*'} / {t.host_ms:.3g} / {gpu})"
 
 
+HOST_PROBE_LOOP, HOST_PROBE_EVERY_S = 50_000, 5.0  # the host probe: loop length; at most one probe this often
+
+
+def host_probe_ms(n: int = HOST_PROBE_LOOP, repeats: int = 3) -> float:
+    """The host's speed now: a pure-Python loop of ``n`` multiply-adds, the fastest of ``repeats`` (ms). It
+    touches neither torch nor the GPU, so it moves with the host alone (its clock, other tenants), not
+    with the process's state. Why: on a lent H100's host (scratch run at code 9cc0577d: the scaling study,
+    this loop timed 59 times over its 500 s, between its steps and before each of the manager's looks) it
+    took 2.17-5.55 ms with no trend, and 4.85-5.29 ms in a fresh process started after the study; the host
+    time to issue the projections and forced flash attention at B=1 S=2048 E=512 bf16, timed beside it,
+    took 87-244 us, and the faster of that call with forced flash and with forced efficient attention
+    (median of 40 of the study's turns each) changed from probe to probe: flash at 21 of the 59, efficient
+    attention at 38. The probe's own time does not predict which (it is a probe of the host, not a model
+    of the call); it shows how far the host moved under a run's host-bound verdicts."""
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(n):
+            acc += i * i
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 GOAL_OVERHEAD = 1.03  # the 3% goal: adaattn at most 3% slower than the fastest backend called directly
 _TIMED = {"call": "module's call", "op": "attention op alone"}  # what a manager's ranking timed
 MANAGED = {"call": "adaattn", "gpu": "adaattn_gpu"}  # the module provider whose manager ranks by each objective
+
+
+def manager_rows(manager: AttentionKernelManager, table_id: str, provider: str) -> list[dict]:
+    """A kernel manager's rankings per signature (fastest first), its looks and its fallbacks, as it
+    measured them in this run: ``manager_ranking``, ``manager_looks`` and ``manager_fallbacks`` rows."""
+    rows = []
+    for key, ranking in manager.rankings.items():
+        times = manager.timings.get(key, {})
+        paired = max((t.rounds for t in times.values()), default=0)
+        rows.append({"table_id": table_id, "case_id": f"manager/{key}", "provider": provider,
+                     "mode": "", "metric": "manager_ranking", "value": len(ranking),
+                     "unit": f"backends ranked by {manager.objective} (ms: time per call / host / GPU, of the "
+                             f"{_TIMED[manager.timed.get(key, 'op')]}, as the manager timed them; time per "
+                             f"call the typical turn of {paired} paired rounds, * the fastest burst)",
+                     "status": "ok", "reason": "", "kernel": " > ".join(_timed_name(b, times.get(b)) for b in ranking)})
+    for key, looks in manager.looks.items():
+        rows.append({"table_id": table_id, "case_id": f"manager/{key}", "provider": provider, "mode": "",
+                     "metric": "manager_looks", "value": len(looks), "unit": "looks of paired rounds (s after the "
+                     "first: typical time per call, ms, fastest first)", "status": "ok", "reason": "",
+                     "kernel": "; ".join(f"{look.at_s:.0f} s: " + " > ".join(
+                         f"{b} ({ms:.3g})" for b, ms in sorted(look.ms.items(), key=lambda x: x[1])) for look in looks)})
+    for (backend, reason), n in manager.fallbacks.items():
+        rows.append({"table_id": table_id, "case_id": f"manager/fallback/{backend}", "provider": provider, "mode": "",
+                     "metric": "manager_fallbacks", "value": n, "unit": "calls", "status": "ok",
+                     "reason": reason[:300], "kernel": backend})
+    return rows
 
 
 class _Direct(nn.Module):
@@ -187,6 +237,7 @@ class ModuleStudy:
         self._inputs: tuple[str, Tensor] | None = None
         self._mha: dict[tuple, nn.MultiheadAttention] = {}
         self._backends: tuple[str, ...] = tuple(BACKENDS)  # set by cases() from the section
+        self._probes: list[tuple[float, float, str]] = []  # (s after the first, ms, before what): ``_probe``
 
     def bind(self, device: str) -> ModuleStudy:
         return ModuleStudy(self.name, self.section_id, self.table_ids, device)
@@ -278,7 +329,18 @@ class ModuleStudy:
         ada.load_state_dict(mha.state_dict())
         return _Direct(ada, provider.removeprefix("direct:")) if provider.startswith("direct:") else ada
 
+    def _probe(self, before: str) -> None:
+        """The host's speed (``host_probe_ms``) between two steps of the study, at most every
+        ``HOST_PROBE_EVERY_S``: ``host_probe_ms`` rows, for the report's account of the host."""
+        now = time.monotonic()
+        if self._probes and now - self._t0 - self._probes[-1][0] < HOST_PROBE_EVERY_S:
+            return
+        if not self._probes:
+            self._t0 = now
+        self._probes.append((now - self._t0, host_probe_ms(), before))
+
     def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
+        self._probe(f"{case.case_id} {provider}")
         c = case.config
         causal = c["causal"]
         module = self.build(case, provider)
@@ -321,29 +383,12 @@ class ModuleStudy:
         kernel manager's ranking per signature (fastest first), as it measured it in this run."""
         rows = self._side_by_side(params, target) + self._gpu_objective_rows(params, target)
         for manager in self._managers.values():
-            for key, ranking in manager.rankings.items():
-                times = manager.timings.get(key, {})
-                paired = max((t.rounds for t in times.values()), default=0)
-                rows.append({"table_id": self.section_id, "case_id": f"manager/{key}",
-                             "provider": MANAGED[manager.objective],
-                             "mode": "", "metric": "manager_ranking", "value": len(ranking),
-                             "unit": f"backends ranked by {manager.objective} (ms: time per call / host / GPU, of the "
-                                     f"{_TIMED[manager.timed.get(key, 'op')]}, as the manager timed them; time per "
-                                     f"call the typical turn of {paired} paired rounds, * the fastest burst)",
-                             "status": "ok", "reason": "", "kernel": " > ".join(_timed_name(b, times.get(b))
-                                                                                for b in ranking)})
-            for key, looks in manager.looks.items():
-                rows.append({"table_id": self.section_id, "case_id": f"manager/{key}",
-                             "provider": MANAGED[manager.objective], "mode": "", "metric": "manager_looks",
-                             "value": len(looks), "unit": "looks of paired rounds (s after the first: typical time per "
-                             "call, ms, fastest first)", "status": "ok", "reason": "", "kernel": "; ".join(
-                                 f"{look.at_s:.0f} s: " + " > ".join(f"{b} ({ms:.3g})" for b, ms in
-                                                                      sorted(look.ms.items(), key=lambda x: x[1]))
-                                 for look in looks)})
-            for (backend, reason), n in manager.fallbacks.items():
-                rows.append({"table_id": self.section_id, "case_id": f"manager/fallback/{backend}",
-                             "provider": MANAGED[manager.objective], "mode": "", "metric": "manager_fallbacks", "value": n,
-                             "unit": "calls", "status": "ok", "reason": reason[:300], "kernel": backend})
+            rows += manager_rows(manager, self.section_id, MANAGED[manager.objective])
+        unit = f"ms: a pure-Python loop of {HOST_PROBE_LOOP} multiply-adds, the fastest of 3"
+        rows += [{"table_id": self.section_id, "case_id": "host/probe", "provider": "host", "mode": "",
+                  "metric": "host_probe_ms", "value": ms, "unit": unit, "status": "ok",
+                  "reason": f"{at:.0f} s after the first probe, before {before}", "kernel": ""}
+                 for at, ms, before in self._probes]
         return rows
 
     def _side_by_side(self, params: Params, target: Target) -> list[dict]:

@@ -15,7 +15,7 @@ from adaattn.attention.kernel_manager import (CALL_BUDGET_MS, CALL_ROUNDS, CALL_
                                                 LOOKS_S, ROUNDS, TIE)
 from adaattn.attention.kernel_manager import CONTENDER as MGR_CONTENDER
 from adaattn.report.common import Section, Verdict, fmt, guide_figures, md_table, save_figure
-from adaattn_experiments.ada_modules import GOAL_OVERHEAD
+from adaattn_experiments.ada_modules import GOAL_OVERHEAD, HOST_PROBE_EVERY_S, HOST_PROBE_LOOP
 from adaattn_experiments.side_by_side import BURST, CI_LEVEL, CONTENDER
 
 SAME_TOLERANCE = 0.10  # G2-T1: "the same ms" within 10%
@@ -49,6 +49,32 @@ def _metric(runs: pd.DataFrame, metric: str, value: str = "value") -> pd.DataFra
     ok = runs[(runs["metric"] == metric) & (runs["status"] == "ok")]
     return ok.pivot_table(index=["target", "hardware", "case_id", "sweep", "batch", "seq_len", "causal", "mode"],
                           columns="provider", values=value).reset_index()
+
+
+def host_probes(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per target, the host probe's times through the run (``host_probe_ms`` rows): how many, over how long,
+    fastest, median, slowest, and slowest over fastest."""
+    p = runs[runs["metric"] == "host_probe_ms"]
+    rows = []
+    for target, f in p.groupby("target"):
+        at = f["reason"].astype(str).str.extract(r"^(\d+) s", expand=False).astype(float)
+        v = f["value"].astype(float)
+        rows.append({"target": target, "probes": len(f), "over s": fmt(at.max()), "fastest ms": fmt(v.min()),
+                     "median ms": fmt(v.median()), "slowest ms": fmt(v.max()),
+                     "slowest / fastest": fmt(v.max() / v.min(), 3)})
+    return pd.DataFrame(rows)
+
+
+def _probe_markdown(probes: pd.DataFrame) -> str:
+    if probes.empty:
+        return ""
+    return ("### The host's speed through the run\n\n"
+            f"A pure-Python loop of {HOST_PROBE_LOOP} multiply-adds (the fastest of 3), timed between the study's "
+            f"steps, at most every {HOST_PROBE_EVERY_S:g} s (`host_probe_ms` rows; `host_probe_ms` in "
+            "`experiments/ada_modules.py`): it touches neither torch nor the GPU, so it moves with the host alone "
+            "(its clock, other tenants), not with the process. Where a call is host-bound its time per call moves "
+            "with the host, and the fastest backend can change with it: the goal's time per call at such a shape "
+            "is a verdict on the host this run had.\n\n" + md_table(probes) + "\n\n")
 
 
 def _g2_t1(runs: pd.DataFrame) -> Section:
@@ -170,6 +196,7 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path, loaded: pd.Dat
     table = pd.DataFrame(rows)
     goal_rows = _scaling_goal_rows(runs)
     load_rows = _load_rows(runs, loaded)
+    probes = host_probes(runs)
     kern = runs[(runs["metric"] == "time_ms") & (runs["provider"] == "adaattn") & (runs["status"] == "ok")]
     kern_tab = kern[["target", "batch", "seq_len", "mode", "kernel"]].rename(columns={"kernel": "kernels (top 3)"})
     keys = ["target", "provider", "case_id"]
@@ -212,7 +239,7 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path, loaded: pd.Dat
         "any backend). The table's other columns are the sweep's own time per call, one provider after "
         "another.\n\n"
         + (md_table(pd.DataFrame(goal_rows)) if goal_rows else "no timings") + "\n\n"
-        + _load_markdown(load_rows) +
+        + _probe_markdown(probes) + _load_markdown(load_rows) +
         "### GPU utilization (NVML, % of its sample period with a kernel running, over 1 s of calls)\n\n"
         + (md_table(util_tab) if len(util_tab) else "not measured on these targets (CUDA only)") + "\n\n"
         "### Backend the manager ran (kernels of one call) and its measured ranking per signature\n\n"
@@ -224,7 +251,8 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path, loaded: pd.Dat
         f"are spent ({CALL_ROUNDS[0]}-{CALL_ROUNDS[1]} rounds), and their time per call is their typical turn; a "
         "time marked * is a fastest burst (no paired rounds), ranked after them. Ranked by time per call; times "
         f"within {TIE:.0%} tie (on a GPU only where their GPU times are within {TIE:.0%} too: the same kernel "
-        f"through two dispatch paths): SDPA's own dispatch first, then the faster call. The backends of the paired "
+        f"through two dispatch paths): a backend that does not hold the (L, S) score matrix first (`math` and "
+        "`sdpa_math` hold it), then SDPA's own dispatch, then the faster call. The backends of the paired "
         f"rounds take them again at the signature's first call {LOOKS_S[0]:g} s after the first look, and at the first "
         f"call {' s, then '.join(f'{t:g}' for t in LOOKS_S[1:])} s after that (column `looks`: each look's typical "
         "times), and the ranking puts them by their worst ratio to the "
@@ -232,11 +260,11 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path, loaded: pd.Dat
         f"the fastest after {CONTENDER_ROUNDS} of the {ROUNDS} turns is not timed further. Module `adaattn_gpu` "
         "(its manager's objective gpu): no paired rounds (every time per call a fastest burst); ranked by GPU time, "
         f"a backend whose host time exceeds both its GPU time and {HOST_SLACK:g}x the leanest backend's after the "
-        f"others; GPU times within {TIE:.0%} tie: SDPA's own dispatch first, then the leaner host. The kernels "
+        f"others; GPU times within {TIE:.0%} tie: as above, then the leaner host. The kernels "
         "table is adaattn's.\n\n"
         + md_table(kern_tab) + "\n\n" + (md_table(rank_rows) if len(rank_rows) else "") + "\n")
     return [Section("G2-B", "GPU Benchmarking Suite (batch and sequence scaling)", md_b,
-                    _goal_verdicts(goal_rows, t, load_rows) + _load_verdicts(load_rows, t)),
+                    _goal_verdicts(goal_rows, t, load_rows, probes) + _load_verdicts(load_rows, t)),
             _g2_t2(t, mem)]
 
 
@@ -398,10 +426,14 @@ GOAL_REASONS = {
     "calls, a host-heavy backend last; AdaAttention's default objective is call"}
 
 
-def _goal_verdicts(goal_rows: list[dict], t: pd.DataFrame, load_rows: list[dict] = ()) -> list[Verdict]:
+def _goal_verdicts(goal_rows: list[dict], t: pd.DataFrame, load_rows: list[dict] = (),
+                   probes: pd.DataFrame | None = None) -> list[Verdict]:
     """The 3% goal's verdict per target and time; under time per call, with host loads timed, how many of the
-    shapes above the bound have no direct backend within it at every load (``_load_rows``)."""
+    shapes above the bound have no direct backend within it at every load (``_load_rows``), and how far the
+    host's speed moved through the run (``host_probes``)."""
     hw = dict(zip(t["target"], t["hardware"], strict=False))
+    spread = {} if probes is None or probes.empty else dict(zip(probes["target"], probes["slowest / fastest"],
+                                                                strict=True))
     out = []
     for g in goal_rows:
         per_call = g["time"] == GOAL_TIMES["paired_ratio"]
@@ -423,6 +455,8 @@ def _goal_verdicts(goal_rows: list[dict], t: pd.DataFrame, load_rows: list[dict]
                            + (f"; under host load (Goal under host load), at {none_single} of the {len(above)} "
                               "shapes above no direct backend is within the bound at every load"
                               if per_call and above else "")
+                           + (f"; the host probe's slowest was {spread[g['target']]}x its fastest in this run"
+                              if g["target"] in spread else "")
                            if per_call else GOAL_REASONS[g["time"]]))
     return out
 

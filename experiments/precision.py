@@ -7,7 +7,9 @@ around each call: TF32 tensor cores for fp32 matmuls; CUDA only), fp16, bf16. Tw
 - ``attention``: ``F.scaled_dot_product_attention`` (PyTorch's own backend choice) on (B, H, S, D);
 - ``block``: a pre-norm transformer block, LayerNorm -> AdaAttention (precision fixed to the
   provider's, ``rank_mode="full"``) -> residual -> LayerNorm -> MLP (4E, GELU) -> residual, its
-  parameters and input in the provider's dtype.
+  parameters and input in the provider's dtype. Its attention backend is the kernel manager's choice
+  per signature (``manager_ranking`` rows; the report names it beside each row): the block's memory
+  is that backend's.
 
 Inputs: N(0, 1), and with outliers: N(0, 1) + N(0, outlier_std^2) x Bernoulli(outlier_prob)
 (params.yaml). Every provider starts from the same fp32 draw, cast. Accuracy (MSE, relative L1
@@ -33,7 +35,7 @@ from adaattn.bench.harness import Case, Workload
 from adaattn.bench.runner import target_sections
 from adaattn.config import Params, Target
 from adaattn.report.common import Section
-from adaattn_experiments.ada_modules import module_reference
+from adaattn_experiments.ada_modules import manager_rows, module_reference
 
 DTYPE_OF = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -91,9 +93,13 @@ class PrecisionStudy:
         self.device = device
         self._inputs: tuple[str, Tensor | tuple[Tensor, ...]] | None = None
         self._blocks: dict[str, Block] = {}
-        # no later looks (``looks_s``): the block's backend is chosen once. This study is about precision, and a
-        # look would land in a timed call or the peak-memory call (it did in the CPU precision run at code
-        # 85c029fb: the fp16 block's forward peaked at 7.50 MiB, 2.75 without the look)
+        # no later looks (``looks_s``): the block's backend is chosen once, at its first call, and a look cannot
+        # land in a timed call or the peak-memory call. The backend it chose per precision and mode is in the
+        # results (``manager_ranking`` rows) and the report: a block's peak memory is its backend's. (At code
+        # 85c029fb the CPU fp16 block's forward peaked at 7.50 MiB, 2.75 at the code before; that was put down to
+        # a look, but two CPU runs at code 9cc0577d, without looks, gave 7.50 and 2.75 again: the manager had
+        # chosen forced SDPA math, which holds the score matrix, in one and SDPA's flash kernel in the other,
+        # within 2% of each other's time; a tie now goes to the backend without the scores, ``rank_timings``.)
         self._manager = AttentionKernelManager(looks_s=())
         self._section = None
 
@@ -187,6 +193,10 @@ class PrecisionStudy:
 
     def has_backward(self, provider: str) -> bool:
         return True
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        """The block's kernel manager: its ranking per signature (precision, grad mode), fastest first."""
+        return manager_rows(self._manager, "G2-T3", "block")
 
     def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
         from adaattn_experiments.precision_report import render

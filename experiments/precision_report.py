@@ -9,20 +9,34 @@ import pandas as pd
 import seaborn as sns
 
 from adaattn.report.common import Section, Verdict, fmt, guide_figures, md_table, save_figure
+from adaattn_experiments.precision import DTYPE_OF
 
 PRECISIONS = ["fp32", "tf32", "fp16", "bf16"]
 TOLERANCE = 0.20  # "~1.8x" and "~0.5x" hold within 20%
 KEY = ["target", "hardware", "op", "inputs", "mode"]
 
 
+def block_backends(df: pd.DataFrame) -> dict[tuple[str, str, str], str]:
+    """(target, dtype as torch names it, mode) -> the backend the block's kernel manager chose (its ranking's
+    first), from the ``manager_ranking`` rows: the signature key's dtype and grad fields."""
+    out = {}
+    for _, r in df[df["metric"] == "manager_ranking"].iterrows():
+        fields = str(r["case_id"]).removeprefix("manager/").split("|")
+        out[(r["target"], fields[2], "fwd_bwd" if fields[-2] == "1" else "fwd")] = str(r["kernel"]).split(" ")[0]
+    return out
+
+
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
-    runs = df[(df["case_id"] != "machine") & (df["status"] == "ok")]
+    chosen = block_backends(df)
+    runs = df[(df["case_id"] != "machine") & (df["status"] == "ok") & ~df["case_id"].astype(str).str.startswith("manager/")]
     wide = runs.pivot_table(index=[*KEY, "provider"], columns="metric", values="value").reset_index()
     base = wide[wide["provider"] == "fp32"].set_index(KEY)
     rows = []
     for _, r in wide.iterrows():
         b = base.loc[tuple(r[k] for k in KEY)] if tuple(r[k] for k in KEY) in base.index else None
-        rows.append({**{k: r[k] for k in KEY}, "precision": r["provider"],
+        dtype = str(DTYPE_OF[r["provider"]]).removeprefix("torch.")
+        backend = "SDPA's own" if r["op"] == "attention" else chosen.get((r["target"], dtype, r["mode"]), "-")
+        rows.append({**{k: r[k] for k in KEY}, "precision": r["provider"], "attention backend": backend,
                      "ms": r.get("time_ms"), "speed vs fp32": b["time_ms"] / r["time_ms"] if b is not None else None,
                      "memory vs fp32": r["peak_mem_mb"] / b["peak_mem_mb"] if b is not None else None,
                      "MSE vs float64": r.get("mse"), "rel L1": r.get("rel_l1"), "cosine": r.get("cosine")})
@@ -53,7 +67,10 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "Measured: time per call (p50), speed = fp32 time / time, memory = peak memory of one call / fp32's, error "
           "against float64 on the first batch element (fp32's error is the floor; the guide's MSE is vs FP32). "
           "`attention` is SDPA on (B, H, S, D); `block` a pre-norm transformer block around AdaAttention; inputs "
-          "N(0,1) or with outliers (see params.yaml).\n\n" + md_table(shown) + "\n")
+          "N(0,1) or with outliers (see params.yaml). `attention backend`: SDPA's own dispatch for `attention`; for "
+          "`block`, the backend AdaAttention's kernel manager chose for the signature (fastest by its measurement, "
+          "a tie to one that does not hold the score matrix): the block's memory is that backend's, and "
+          "`sdpa_math` and `math` hold the (L, S) scores. tf32 blocks share fp32's signature and choice.\n\n" + md_table(shown) + "\n")
     return [Section("G2-T3", "Precision Mode Accuracy", md, verdicts)]
 
 

@@ -142,6 +142,31 @@ def test_module_providers_share_weights_and_match_the_float64_module(tmp_path):
     bases = [v.measured.split(":")[0] for v in g2_b.verdicts if v.claim.startswith("goal:")]
     assert any("time per call, side by side" in b for b in bases), bases
     assert "adaattn / fastest direct, per round" in g2_b.markdown
+    # the host's speed through the run: probes before the study's steps, in the report and the per-call verdict
+    probes = df[df.metric == "host_probe_ms"]
+    assert len(probes) and (probes.value > 0).all() and probes.reason.iloc[0].startswith("0 s after the first probe, before G2-B/")
+    assert "### The host's speed through the run" in g2_b.markdown
+    per_call = [v for v in g2_b.verdicts if v.claim.startswith("goal:") and "side by side" in v.measured]
+    assert per_call and all("the host probe's slowest was" in v.reason for v in per_call)
+
+
+def test_host_probe_is_taken_at_most_every_few_seconds_and_summed_up_per_target():
+    from adaattn_experiments import ada_modules as am
+    from adaattn_experiments.ada_modules_report import host_probes
+
+    study = am.SCALING.bind("cpu")
+    study._probe("a")
+    study._probe("b")
+    assert [p[2] for p in study._probes] == ["a"]
+    study._t0 -= am.HOST_PROBE_EVERY_S  # as if that long had passed since the first
+    study._probe("c")
+    assert [p[2] for p in study._probes] == ["a", "c"] and all(p[1] > 0 for p in study._probes)
+    rows = pd.DataFrame({"target": ["h100"] * 3 + ["cpu"], "metric": "host_probe_ms", "value": [2.0, 5.0, 3.0, 1.0],
+                         "reason": ["0 s after", "7 s after", "12 s after", "0 s after"]})
+    t = host_probes(rows).set_index("target")
+    assert t.loc["h100", "probes"] == 3 and float(t.loc["h100", "slowest / fastest"]) == 2.5
+    assert float(t.loc["h100", "over s"]) == 12 and float(t.loc["h100", "median ms"]) == 3.0
+    assert t.loc["cpu", "probes"] == 1 and float(t.loc["cpu", "slowest / fastest"]) == 1.0
 
 
 def test_rank_study_policy_estimators_and_oracle():
@@ -178,8 +203,19 @@ def test_reports_render_from_results(tmp_path):
     params, _ = _params(**{"G2-T1.cpu.points": [[1, 32], [2, 16]], "G2-T3.cpu.seq_len": 32, "G2-T3.cpu.embed_dim": 64,
                            "G2-T3.cpu.modes": ["fwd"], "G2-C1.cpu.seq_lens": [128], "G2-C1.cpu.ranks": [8, 16],
                            "G2-C1.cpu.true_ranks": [8], "G2-C1.cpu.exact_providers": ["sdpa"]})
-    sections = render_precision(_run(PRECISION, params), tmp_path)
+    pdf = _run(PRECISION, params)
+    sections = render_precision(pdf, tmp_path)
     assert sections[0].table_id == "G2-T3" and {v.table_id for v in sections[0].verdicts} == {"G2-T3", "G2-T2"}
+    # the block's attention backend beside each block row: its kernel manager's first, per precision
+    ranks = pdf[pdf.metric == "manager_ranking"]
+    assert set(ranks.provider) == {"block"} and len(ranks) == 3  # fp32, fp16, bf16 forward signatures
+    first = dict(zip(ranks.case_id.str.split("|").str[2], ranks.kernel.str.split(" ").str[0], strict=True))
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in sections[0].markdown.splitlines()
+             if line.startswith("| cpu ")]
+    blocks = [c for c in cells if c[2] == "block"]
+    assert len(blocks) == 6 and all(c[6] == first[dtype[c[5]]] for c in blocks), blocks
+    assert all(c[6] == "SDPA's own" for c in cells if c[2] == "attention")
     (section,) = render_rank(_run(RANK, params), tmp_path)
     assert "oracle path" in section.markdown and (tmp_path / "g2_c1_error_cpu.png").exists()
     df = _run(CPU_BASELINE, params)

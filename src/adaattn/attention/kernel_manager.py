@@ -34,7 +34,8 @@ efficient attention and 8-14 us more host time per call, and the module, which r
 1.11-1.23x the time per call of the module around forced efficient attention (side by side). Under
 "gpu" host time decides only where it is far out of line: a backend
 whose issue time exceeds both its GPU time and ``HOST_SLACK`` (2x) times the leanest backend's goes
-after the others. Ties (within ``TIE``, 2%, of each other's time) go first to a backend that calls
+after the others. Ties (within ``TIE``, 2%, of each other's time) go first to a backend that does not
+hold the (L, S) score matrix in memory (``SCORES_KEPT``: math and forced SDPA math), then to one that calls
 SDPA without forcing one of its backends (``_sdpa_forced``), then to the faster call (objective
 "call") or the leaner host ("gpu"); under "call" on a GPU only backends whose GPU times are within
 ``TIE`` too tie (the same kernel through two dispatch paths). Calls then go to the first. A backend that fails on a call falls back to
@@ -134,6 +135,7 @@ class Backend:
     run: Run
     why_not: Callable[[Signature], str | None]
     wrapped: bool = False  # its call sets SDPA's backend flags around SDPA (a forced SDPA backend): more host time
+    keeps_scores: bool = False  # it holds the (L, S) score matrix in memory: its peak grows with L x S
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale):
@@ -266,11 +268,11 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
                                                                   max_head_dim=128), wrapped=True),
     Backend("sdpa_efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _needs(cuda=True), wrapped=True),
     Backend("sdpa", _sdpa, _needs()),
-    Backend("sdpa_math", _sdpa_forced("MATH"), _needs(), wrapped=True),
+    Backend("sdpa_math", _sdpa_forced("MATH"), _needs(), wrapped=True, keeps_scores=True),
     Backend("flex", _flex, _needs(cuda=True, masks=("none", "causal"), provider="flex")),
     Backend("xformers", _xformers, _needs(cuda=True, masks=("none", "causal"), provider="xformers_cutlass")),
     Backend("chunked", _chunked, _needs()),
-    Backend("math", _math, _needs()),
+    Backend("math", _math, _needs(), keeps_scores=True),
 ]}
 FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xformers", "sdpa_efficient"})
 
@@ -291,6 +293,13 @@ HOST_SLACK = 2.0  # a GPU backend is host-heavy when its issue time exceeds its 
 # S=1024 forward and backward; the tie gave it to cuDNN's leaner GPU, and the module took 1.087x the direct flash call per round
 TIE = 0.02
 WRAPPED = frozenset(b.name for b in BACKENDS.values() if b.wrapped)
+# A tie goes to a backend that does not hold the score matrix before one that does (``rank_timings``). Why: where
+# attention is a small part of the call, backends tie on time and the choice decided the call's peak memory.
+# The CPU precision study's fp16 block (B=2 S=256 E=256, forward; the module's call timed with each backend) on
+# the development CPU, two runs at code 9cc0577d (scratch): forced math first (11.36 ms per call; forced flash
+# 11.58, SDPA 11.63) in one, SDPA first (12.54; forced math 12.31, within the tie) in the other; the block's
+# forward peaked at 7.50 MiB through forced math and 2.75 MiB through SDPA's flash kernel
+SCORES_KEPT = frozenset(b.name for b in BACKENDS.values() if b.keeps_scores)
 ROUNDS = 5  # the backends' turns per signature, interleaved
 BURSTS = 3  # GPU: bursts of calls back to back per turn, for the time per call (the fastest counts)
 CONTENDER_ROUNDS, CONTENDER = 2, 3.0  # after this many rounds, a backend this much slower than the fastest stops
@@ -309,7 +318,7 @@ CALL_BUDGET_MS = 1500.0
 # manager ranking the same signature by GPU time after the sweep timed SDPA's call at 0.113 ms, flash's at 0.138
 LOOKS_S = (10.0, 60.0)
 LOOK_EVERY = 256  # calls: a replay of a choice with a look still to come asks the manager again this often
-METHOD = 9  # how rankings are measured (9: paired rounds, looked at again); a cache written by another method is not trusted
+METHOD = 10  # how rankings are made (10: paired rounds, looked at again, ties by memory); a cache made otherwise is not trusted
 OBJECTIVES = ("call", "gpu")  # what a ranking is by: time per call, or GPU time
 
 
@@ -341,10 +350,11 @@ def worst_ratios(looks: Sequence[Look]) -> dict[str, float]:
 
 
 def rank_timings(times: dict[str, Timing], objective: str = "call", host_slack: float = HOST_SLACK, tie: float = TIE,
-                 wrapped: frozenset[str] = WRAPPED) -> list[str]:
+                 wrapped: frozenset[str] = WRAPPED, scores_kept: frozenset[str] = SCORES_KEPT) -> list[str]:
     """Backends fastest first by ``objective``: "call", time per call; "gpu", GPU time with host-heavy
     backends last (on a CPU both are time per call). A tie (within ``tie``) goes first to the backends
-    not in ``wrapped``, then to the faster call ("call") or the leaner host ("gpu"). Under "call" on a GPU,
+    not in ``scores_kept``, then to those not in ``wrapped``, then to the faster call ("call") or the
+    leaner host ("gpu"). Under "call" on a GPU,
     backends tie only where their GPU times are within ``tie`` too: the same kernel through two dispatch
     paths (SDPA's own and the backend it dispatches to, forced), not two kernels whose calls came out
     close."""
@@ -373,7 +383,7 @@ def rank_timings(times: dict[str, Timing], objective: str = "call", host_slack: 
         head = rest[0]
         tied = [n for n in rest if heavy(n) == heavy(head) and time_of(n) <= (1 + tie) * time_of(head)
                 and same_kernel(n, head)]
-        out += sorted(tied, key=lambda n: (n in wrapped, leaner(n)))
+        out += sorted(tied, key=lambda n: (n in scores_kept, n in wrapped, leaner(n)))
         rest = [n for n in rest if n not in tied]
     return out
 
