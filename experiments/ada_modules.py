@@ -58,7 +58,7 @@ from adaattn.attention.providers import DTYPES, PROVIDERS
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload, classify_error
 from adaattn.bench.runner import target_sections
-from adaattn.bench.timing import kernel_times_ms, quantiles
+from adaattn.bench.timing import KernelTrace, UncutTrace, kernel_times_ms, quantiles
 from adaattn.config import Params, Target
 from adaattn.report.common import Section
 from adaattn_experiments.side_by_side import call_of, side_by_side_rows
@@ -461,27 +461,27 @@ class ModuleStudy:
             base = {"table_id": self.section_id, "case_id": case.case_id, **case.config}
             for mode in case.modes:
                 names = ["adaattn_gpu"] + [p for p in direct if mode == "fwd" or self.has_backward(p)]
-                samples, status, reason, chosen = None, "error", "", ""
+                trace, status, reason, chosen = None, "error", "", ""
                 try:
-                    samples, chosen = self._kernel_trace(case, names, mode)
-                    status = "ok" if samples else "error"
-                    if samples is None:
-                        reason = "the kernel trace could not be cut into calls"
+                    trace, chosen = self._kernel_trace(case, names, mode)
+                    status = "ok"
+                except UncutTrace as err:
+                    reason = str(err)
                 except Exception as err:  # noqa: BLE001 - a failed trace becomes status rows; the study goes on
                     status, reason = classify_error(err)
                 torch.cuda.empty_cache()
                 for i, p in enumerate(names):
-                    q = quantiles(samples[i]) if samples else None
+                    q = quantiles(trace.samples[i]) if trace else None
                     rows.append(base | {
                         "provider": p, "mode": mode, "metric": "goal_kernel_ms", "value": q.p50 if q else None,
                         "p20": q.p20 if q else None, "p80": q.p80 if q else None, "status": status, "reason": reason,
                         "unit": f"ms of GPU kernel time per call (sum over its kernels; the calls of {len(names)} "
-                                "providers interleaved in one trace)",
+                                f"providers interleaved in one trace{trace.note() if trace else ''})",
                         "kernel": chosen if p == "adaattn_gpu" else ""})
         return rows
 
-    def _kernel_trace(self, case: Case, names: list[str], mode: str) -> tuple[list[list[float]] | None, str]:
-        """(``kernel_times_ms`` samples of ``names``' calls in ``mode``, the backend adaattn_gpu's manager put
+    def _kernel_trace(self, case: Case, names: list[str], mode: str) -> tuple[KernelTrace, str]:
+        """(``kernel_times_ms``'s trace of ``names``' calls in ``mode``, the backend adaattn_gpu's manager put
         first for the case's signature)."""
         grad = torch.no_grad if mode == "fwd" else torch.enable_grad
         manager = self._manager(self._backends, "gpu")
@@ -491,9 +491,9 @@ class ModuleStudy:
             for call in calls:  # the first call ranks adaattn_gpu's signature; the second runs the choice
                 call()
                 call()
-            samples = kernel_times_ms(calls, self.kernel_calls)
+            trace = kernel_times_ms(calls, self.kernel_calls)
         new = [k for k in manager.rankings if k not in seen]
-        return samples, (manager.rankings[new[0]][0] if len(new) == 1 else "")
+        return trace, (manager.rankings[new[0]][0] if len(new) == 1 else "")
 
     # ------------------------------------------------------------------ report
 

@@ -14,7 +14,7 @@ import pytest
 
 from adaattn.bench.harness import Harness
 from adaattn.bench.roofline import Ceilings
-from adaattn.bench.timing import CpuTimer
+from adaattn.bench.timing import CpuTimer, KernelTrace
 from adaattn.config import ConfigError, load_params, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
@@ -438,7 +438,7 @@ def test_scaling_takes_the_kernel_time_goal_for_a_manager_ranking_by_gpu_time(tm
         for f in fns:
             f()
         traced.append(len(fns))
-        return [[1.0 + i] * calls for i in range(len(fns))]
+        return KernelTrace([[1.0 + i] * calls for i in range(len(fns))])
 
     monkeypatch.setattr(mod, "kernel_times_ms", fake_trace)
     monkeypatch.setattr(ModuleStudy, "gpu_objective", frozenset({("G2-B", "cpu")}))

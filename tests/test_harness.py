@@ -15,7 +15,7 @@ from adaattn.errors import Unsupported
 from adaattn.bench import trace as trace_mod
 from adaattn.bench.memory import peak_memory_bytes
 from adaattn.bench.roofline import Ceilings, gbps, mode_flops, tflops
-from adaattn.bench.timing import CpuTimer, quantiles
+from adaattn.bench.timing import CpuTimer, KernelTrace, UncutTrace, quantiles
 
 
 def test_attention_flops_formula():
@@ -169,10 +169,72 @@ def test_per_call_kernel_ms_cuts_a_trace_at_the_flush_kernels():
     from adaattn.bench.timing import FLUSH_MARK, per_call_kernel_ms
 
     flush = f"vectorized_elementwise_kernel<{FLUSH_MARK}_kernel_cuda>"
-    trace = [("warm-up leftover", 0, 5_000), (flush, 10, 90_000), ("k1", 20, 2_000), ("Memset", 25, 500),
-             ("k2", 30, 1_000), (flush, 40, 90_000), ("k1", 50, 4_000)]
-    assert per_call_kernel_ms(list(reversed(trace)), 2) == [0.0035, 0.004]  # in start order, whatever the input order
-    assert per_call_kernel_ms(trace, 3) is None  # not one flush per call: no numbers rather than wrong ones
+    trace = [("edge", 0, 5_000), (flush, 10, 90_000), ("k1", 20, 2_000), ("Memset", 25, 500),
+             ("k2", 30, 1_000), (flush, 40, 90_000), ("k1", 50, 4_000), (flush, 60, 90_000), ("edge", 70, 5_000)]
+    # in start order, whatever the input order; before the first flush and after the closing one: no call's
+    assert per_call_kernel_ms(list(reversed(trace)), 2) == [0.0035, 0.004]
+    assert per_call_kernel_ms(trace, 3) is None  # not one flush per call and a closing one: no numbers rather than wrong ones
+    assert per_call_kernel_ms(trace[:-2], 2) is None  # the closing flush lost: the last call's end is unknown
+
+
+def test_a_trace_that_cannot_be_cut_is_taken_again_and_says_so(monkeypatch):
+    """``kernel_times_ms`` with the profiler and the device replaced (they need CUDA): a trace that lost a
+    flush marker is taken again, the result naming what the lost ones held; after ``attempts`` such traces,
+    ``UncutTrace`` names every trace's count. Each trace launches its edge kernels and a closing flush around
+    the calls, and records lost among the edge kernels cost nothing."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import adaattn.bench.timing as timing
+    from adaattn.bench.timing import TRACE_EDGE, UncutTrace, kernel_times_ms
+
+    launched: list[str] = []  # the "kernels" of the session under way, in launch order
+    traces: list[list[str]] = []
+    losses: list[tuple[int, int]] = []  # per session: (edge kernels, flush markers) lost from its start
+
+    def event(name: str, start: int):
+        return SimpleNamespace(name=lambda: name, start_ns=lambda: start, device_type=lambda: torch.autograd.DeviceType.CUDA,
+                               duration_ns=lambda: 1_000_000 if name == "call" else 7)
+
+    @contextlib.contextmanager
+    def session(activities):
+        launched.clear()
+        prof = SimpleNamespace()
+        yield prof
+        traces.append(list(launched))
+        lose = dict(zip(("edge", "bitwise_not"), losses.pop(0)))
+        kept = []
+        for name in launched:
+            if lose.get(name):
+                lose[name] -= 1
+                continue
+            kept.append(name)
+        events = [event(n, i) for i, n in enumerate(kept)]
+        prof.profiler = SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events))
+
+    tensor = SimpleNamespace(add_=lambda _: launched.append("edge"), bitwise_not_=lambda: launched.append("bitwise_not"))
+    device = SimpleNamespace(empty=lambda *a, **k: tensor, zeros=lambda *a, **k: tensor, int32=torch.int32,
+                             cuda=SimpleNamespace(synchronize=lambda: None), autograd=torch.autograd)
+    monkeypatch.setattr(timing, "profiler_session", session)
+    monkeypatch.setattr(timing, "torch", device)
+    fns = [lambda: launched.append("call"), lambda: launched.append("call")]
+
+    losses[:] = [(TRACE_EDGE, 0)]
+    trace = kernel_times_ms(fns, 3)
+    assert trace.samples == [[1.0] * 3, [1.0] * 3] and trace.uncut == () and trace.note() == ""
+    assert traces[-1][:TRACE_EDGE + 1] == ["edge"] * TRACE_EDGE + ["bitwise_not"]
+    assert traces[-1][-TRACE_EDGE - 1:] == ["bitwise_not"] + ["edge"] * TRACE_EDGE
+    assert traces[-1].count("bitwise_not") == 7  # one before each of the 6 calls, one closing
+
+    losses[:] = [(0, 1), (2, 3), (0, 0)]
+    trace = kernel_times_ms(fns, 3)
+    assert trace.samples == [[1.0] * 3, [1.0] * 3] and trace.uncut == (6, 4)
+    assert "taken again after 2 that could not be cut (held 6, 4 flush markers of 7)" in trace.note()
+
+    losses[:] = [(0, 1), (0, 1), (0, 2)]
+    with pytest.raises(UncutTrace, match="3 traces held 6, 6, 5 flush markers of 7"):
+        kernel_times_ms(fns, 3)
+    assert len(traces) == 7  # one, three (the third cut), three (none cut)
 
 
 def test_round_robin_order_and_split():
@@ -234,7 +296,7 @@ def test_kernel_time_interleaves_a_cases_providers_per_mode(monkeypatch):
         for fn in fns:
             fn()
         traces.append(list(study.grad_modes))
-        return [[float(i + 1)] * calls for i in range(len(fns))]
+        return KernelTrace([[float(i + 1)] * calls for i in range(len(fns))])
 
     h = _cuda_harness_on_cpu(monkeypatch, timer, total_bytes=1000)
     case = Case("toy/1", "T-1", {"n": 10}, ("a", "big", "b"), ("fwd", "fwd_bwd"))
@@ -249,18 +311,20 @@ def test_kernel_time_interleaves_a_cases_providers_per_mode(monkeypatch):
     assert not h._held  # nothing kept past its case
 
 
-@pytest.mark.parametrize("failure", ["none", "oom"])
+@pytest.mark.parametrize("failure", ["uncut", "oom"])
 def test_kernel_time_failure_is_a_row_per_workload(monkeypatch, failure):
     def timer(fns, calls):
         if failure == "oom":
             raise torch.OutOfMemoryError("CUDA out of memory")
-        return None
+        raise UncutTrace(2 * calls + 1, [2 * calls, 2 * calls - 1, 2 * calls])
 
     h = _cuda_harness_on_cpu(monkeypatch, timer, total_bytes=10**6)
     rows = pd.DataFrame(h.run(_SizedStudy(), [Case("toy/1", "T-1", {"n": 10}, ("a", "b"), ("fwd",))]))
     k = rows[rows.metric == "kernel_ms"]
     assert len(k) == 2 and k["value"].isna().all()
     assert set(k["status"]) == ({"oom"} if failure == "oom" else {"error"})
+    if failure == "uncut":  # the reason says what the traces held
+        assert set(k["reason"]) == {"the kernel trace could not be cut into calls: 3 traces held 6, 5, 6 flush markers of 7"}
     assert (rows[rows.metric == "time_ms"]["status"] == "ok").all()
 
 
@@ -280,7 +344,7 @@ def test_out_of_memory_beside_held_workloads_frees_them_and_tries_again(monkeypa
 
     def timer(fns, calls):
         traces.append(len(fns))
-        return [[1.0] * calls for _ in fns]
+        return KernelTrace([[1.0] * calls for _ in fns])
 
     h = _cuda_harness_on_cpu(monkeypatch, timer, total_bytes=10**6)
     rows = pd.DataFrame(h.run(_Flaky(), [Case("toy/1", "T-1", {"n": 10}, ("a", "b", "flaky", "c"), ("fwd",))]))

@@ -28,7 +28,7 @@ from torch import Tensor
 from adaattn.bench.accuracy import accuracy
 from adaattn.bench.memory import Profiled, profiled_call
 from adaattn.bench.roofline import Ceilings, gbps, mode_bytes, mode_flops, tflops
-from adaattn.bench.timing import gpu_utilization, host_time_ms, kernel_times_ms, quantiles
+from adaattn.bench.timing import UncutTrace, gpu_utilization, host_time_ms, kernel_times_ms, quantiles
 from adaattn.errors import Unsupported
 
 
@@ -120,7 +120,7 @@ class Harness:
     # workloads held for one interleaved kernel-time trace per case and mode, while what is allocated
     # plus the largest held call's peak stays within this fraction of the device's memory
     interleave_memory_fraction: float = 0.25
-    kernel_timer: Callable = kernel_times_ms  # (fns, calls) -> per-call samples per fn, or None
+    kernel_timer: Callable = kernel_times_ms  # (fns, calls) -> KernelTrace, or raises UncutTrace
     utilization_s: float = 0.0  # > 0: NVML GPU utilization over this many seconds of calls (CUDA only)
     utilization_providers: tuple[str, ...] = ()  # ... of these providers
     rows: list[dict] = field(default_factory=list)
@@ -328,13 +328,13 @@ class Harness:
     def _kernel_times(self, items: list[_KernelTimeItem]) -> None:
         """Kernel time of each item from one profiler session, their calls round robin
         (``bench.timing.kernel_times_ms``); one ``kernel_ms`` row each, its unit saying with how many
-        other workloads its calls were interleaved."""
-        samples, status, reason = None, "error", ""
+        other workloads its calls were interleaved and whether the trace was taken again."""
+        trace, status, reason = None, "error", ""
         try:
             with self._phase("kernel time (profiler)"):
-                samples = self.kernel_timer([h.call for h in items], self.kernel_calls)
-            if samples is None:
-                reason = "the kernel trace could not be cut into calls (a workload launches the flush marker)"
+                trace = self.kernel_timer([h.call for h in items], self.kernel_calls)
+        except UncutTrace as err:
+            reason = str(err)
         except Exception as err:  # noqa: BLE001 - a failed trace becomes status rows; the study goes on
             status, reason = classify_error(err)
             if status == "oom":
@@ -342,12 +342,13 @@ class Harness:
         others = len(items) - 1
         how = f"interleaved with {others} other workload{'s' * (others != 1)}" if others else "measured alone"
         for i, h in enumerate(items):
-            if samples is None:
+            if trace is None:
                 self._row(h.case, h.provider, h.mode, "kernel_ms", None, status=status, reason=reason, kernel=h.kernels)
                 continue
-            q = quantiles(samples[i])
+            q = quantiles(trace.samples[i])
             self._row(h.case, h.provider, h.mode, "kernel_ms", q.p50, p20=q.p20, p80=q.p80,
-                      unit=f"ms of GPU kernel time per call (sum over its kernels; calls {how})", kernel=h.kernels)
+                      unit=f"ms of GPU kernel time per call (sum over its kernels; calls {how}{trace.note()})",
+                      kernel=h.kernels)
 
     def _reference(self, study: Study, case: Case) -> Tensor | None:
         if case.case_id not in self._refs:

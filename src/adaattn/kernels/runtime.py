@@ -317,7 +317,8 @@ class TunedLaunch:
     time in it, and no config favoured by where it comes in the order. Back-to-back calls in a CUDA
     graph, timed with events, rank configs differently at small problems (the next kernel's start
     hides the previous one's tail and no call starts from a cold cache); they remain the fallback
-    while another profiler is running, where a second trace cannot start.
+    while another profiler is running, where a second trace cannot start, and where no trace could
+    be cut into calls (``bench.timing.UncutTrace``).
 
     The fastest config at each tuning size is kept (``picks_per_size``); a call runs the one kept
     for the tuning size nearest its own main input (the kernel's first argument, ``size_index``):
@@ -383,11 +384,13 @@ class TunedLaunch:
         calls = [self._forcing(metas[i], problems[j]) for i, j in pairs]
         column = None
         if not torch.autograd._profiler_enabled():
-            from adaattn.bench.timing import kernel_times_ms
+            from adaattn.bench.timing import UncutTrace, kernel_times_ms
 
-            samples = kernel_times_ms(calls, TUNE_CALLS)
-            column = None if samples is None else [statistics.median(x) for x in samples]
-        if column is None:  # another profiler is running: back-to-back calls in a CUDA graph
+            try:
+                column = [statistics.median(x) for x in kernel_times_ms(calls, TUNE_CALLS).samples]
+            except UncutTrace:
+                column = None
+        if column is None:  # another profiler is running (or no trace could be cut): back-to-back calls in a CUDA graph
             l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20)
             copies = [[problem] + [self.example(key, mib * 2**20, device) for _ in range(max(1, -(-2 * l2 // (mib * 2**20)) - 1))]
                       for mib, problem in zip(TUNE_MIB, problems)]
