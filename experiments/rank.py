@@ -19,7 +19,11 @@ Providers, forward: each exact backend of ``exact_providers`` (the kernel manage
 directly), ``nystrom-<r>`` and ``pooled-<r>`` (the two low-rank paths, ``rank.LOW_RANK_METHODS``)
 for each rank of ``ranks`` up to S/2, and ``policy``: the path that ``rank_mode="auto"``'s policy
 (``rank.choose_rank``, both paths) picks for these inputs (its one-time estimate is not timed; the
-study lifts AdaAttention's minimum length, so the policy is seen at every S). Error: against
+study lifts AdaAttention's minimum length, so the policy is seen at every S). As in AdaAttention,
+a path within the error budget is taken only where it is faster than the exact path, timed side by
+side by a kernel manager (``AttentionKernelManager.time_calls``; here the op alone, not a module's
+call); the exact path, there and where the policy stays exact, is that manager's first of the
+study's ``exact_providers`` (``_exact``). Error: against
 float64 on the first batch element. ``pooled-<r>`` runs what ``rank.pooled_attention`` runs for a
 forward without autograd: two fused Triton launches on a GPU where S is a multiple of r (the
 segment means, then attention over them with P V~ in the input dtype, as flash attention), else
@@ -45,13 +49,14 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from adaattn.attention.kernel_manager import BACKENDS
+from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Signature
 from adaattn.attention.providers import DTYPES
 from adaattn.attention.rank import (
     LOW_RANK_METHODS,
     PINV_ITERS,
     PINV_MATMULS_PER_ITER,
     LowRank,
+    Speed,
     choose_rank,
     estimate_rank,
     low_rank_attention,
@@ -94,6 +99,7 @@ class RankStudy:
         self._inputs: tuple[str, tuple[Tensor, Tensor, Tensor]] | None = None
         self._sec = None
         self._policy: dict[str, tuple[int | None, dict]] = {}
+        self._policy_manager: AttentionKernelManager | None = None  # the policy's exact path (``_exact``)
         self._cases: list[Case] = []
         self._real_source: dict[str, str] | None = None  # minilm.source() of the capture the real inputs came from
 
@@ -169,8 +175,30 @@ class RankStudy:
         if case.case_id not in self._policy:
             q, k, v = self.inputs(case)
             self._policy[case.case_id] = choose_rank(q, k, v, sample=self._sec.sample_rows, min_len=1,
-                                                     max_rel_error=self._sec.error_tolerance)
+                                                     max_rel_error=self._sec.error_tolerance,
+                                                     speed=functools.partial(self._speed, case))
         return self._policy[case.case_id]
+
+    def _exact(self, case: Case) -> str:
+        """The policy's exact path for the case: the first backend of a kernel manager over the study's exact
+        providers that can run here (the op alone, by time per call, no later looks), as AdaAttention's manager
+        ranks its backends; measured once per signature."""
+        if self._policy_manager is None:
+            names = [p for p in self._sec.exact_providers if self.unavailable(p, self.device) is None]
+            self._policy_manager = AttentionKernelManager(backends=names, looks_s=())
+        q, k, v = self.inputs(case)
+        with torch.no_grad():
+            return self._policy_manager.ranking(Signature.of(q, k, "none"), q, k, v, None, False, None)[0]
+
+    def _speed(self, case: Case, choice: LowRank) -> Speed:
+        """``choose_rank``'s ``speed``: the low-rank path against the exact path (``_exact``), side by side."""
+        exact = self._exact(case)
+        q, k, v = self.inputs(case)
+        run = BACKENDS[exact].run
+        with torch.no_grad():
+            t = self._policy_manager.time_calls({"low-rank": lambda: low_rank_attention(q, k, v, choice),
+                                                 exact: lambda: run(q, k, v, None, False, None)}, q.device)
+        return Speed(t.get("low-rank", float("inf")), t.get(exact, float("inf")), exact)
 
     # ------------------------------------------------------------------ harness hooks
 
@@ -178,7 +206,7 @@ class RankStudy:
         q, k, v = (t.detach().requires_grad_(requires_grad) for t in self.inputs(case))
         if provider == "policy":
             choice, _ = self.policy(case)
-            provider = f"{choice.method}-{choice.rank}" if choice is not None else "sdpa"
+            provider = f"{choice.method}-{choice.rank}" if choice is not None else self._exact(case)
         low = low_rank_of(provider)
         if low is not None:
             fn = lambda: low_rank_attention(q, k, v, low)  # noqa: E731
@@ -298,10 +326,19 @@ class RankStudy:
                                  "unit": f"singular values holding {ENERGY:.0%} (full matrix, batch element 0)"})
             choice, seen = self.policy(case)
             pol = {**base, "provider": "policy"}
-            # kernel: the low-rank path the policy took
+            # kernel: the low-rank path the policy took, or the exact path's backend
             rows.append({**pol, "metric": "policy_rank", "value": choice.rank if choice is not None else 0,
-                         "unit": "landmarks (0: exact path)", "kernel": choice.method if choice is not None else "",
+                         "unit": "landmarks (0: exact path)",
+                         "kernel": choice.method if choice is not None else self._exact(case),
                          "reason": "" if choice is not None else self._why_exact(seen)})
+            if seen["speed"] is not None:
+                sp, method = seen["speed"], list(seen["sample_rel_error"])[-1]
+                unit = (f"ms per call, {seen['tried']} landmarks ({method}) and the exact path ({sp.exact}), timed "
+                        "side by side by the policy")
+                rows.append({**pol, "metric": "policy_low_rank_ms", "value": sp.low_rank_ms, "unit": unit,
+                             "kernel": method})
+                rows.append({**pol, "metric": "policy_exact_ms", "value": sp.exact_ms, "unit": unit,
+                             "kernel": sp.exact})
             rows.append({**pol, "metric": "policy_tolerance", "value": self._sec.error_tolerance,
                          "unit": "rel L2 the policy accepts on its sampled rows"})
             if seen["estimate"] is not None:
@@ -314,6 +351,10 @@ class RankStudy:
     def _why_exact(self, seen: dict) -> str:
         if seen["tried"] is None:
             return f"estimate {seen['estimate']} is not clearly low (> sample/2 or > S/16)"
+        if seen["speed"] is not None:
+            sp, method = seen["speed"], list(seen["sample_rel_error"])[-1]
+            return (f"{seen['tried']} landmarks ({method}, sampled rel L2 {seen['sample_rel_error'][method]:.3g}): "
+                    f"{sp.low_rank_ms:.3g} ms per call, not faster than {sp.exact}'s {sp.exact_ms:.3g} ms")
         errs = ", ".join(f"{m} {e:.3g}" for m, e in seen["sample_rel_error"].items())
         return f"{seen['tried']} landmarks: sampled rel L2 {errs} > {self._sec.error_tolerance}"
 

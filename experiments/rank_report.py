@@ -79,7 +79,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                      "sampled spectrum rank (mean over heads)": fmt(e.get("spectrum_rank_sampled")),
                      "full-matrix rank": fmt(e.get("spectrum_rank_full")),
                      "entropy rank": fmt(e.get("entropy_rank")),
-                     "policy path": f"{policy_path.get(case_id, '')} {prank}" if prank else "exact",
+                     "policy path": f"{policy_path.get(case_id, '')} {prank}" if prank else
+                     f"exact ({policy_path[case_id]})" if policy_path.get(case_id) else "exact",
                      "policy rel L2": fmt(errs.get("policy")),
                      "policy ms": fmt(times.get("policy")), "why exact": reasons.get(case_id, "") if not prank else "",
                      f"oracle path (rel L2 <= {tol:g})": str(oracle) if oracle else "none",
@@ -134,9 +135,12 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                     *SOLVE_FLOORS.values()):
             shown[col] = shown[col].map(fmt)
     real = sorted({i for i in runs["inputs"].dropna().unique() if str(i).startswith("minilm-l")})
-    md = ("\n".join(parts) + "\nPer case: the estimators (mean over heads), the policy's choice and error, the "
+    md = ("\n".join(parts) + "\nPer case: the estimators (mean over heads), the policy's choice and error (a path "
+          "within the error budget on the sampled rows is taken only where it is faster than the exact path, timed "
+          "side by side by a kernel manager over the exact backends, the op alone; `policy path` names the exact "
+          "path's backend, `why exact` both times where the path was not faster), the "
           f"oracle (the low-rank path of fewest landmarks in the sweep with rel L2 <= {tol:g}; pooled first at equal "
-          "landmarks, as the policy tries them), and the best exact backend. Low-rank paths: `nystrom` (Nyström "
+          "landmarks, as the policy tries them; by error alone), and the best exact backend. Low-rank paths: `nystrom` (Nyström "
           "with segment-mean landmarks, an r x r pseudo-inverse) and `pooled` (attention over the segment means of "
           "the keys and values: no solve, more error where keys vary within a segment; `src/adaattn/attention/rank.py`)."
           + (f" Real inputs ({', '.join(real)}): the queries, keys and values of that layer of all-MiniLM-L6-v2 "

@@ -761,7 +761,7 @@ def test_rank_policy_takes_low_rank_only_when_its_sampled_error_is_small():
     assert seen["sample_rel_error"].keys() == {"pooled", "nystrom"} and min(seen["sample_rel_error"].values()) > 0.05
     # shorter than min_len: no estimate at all
     assert choose_rank(q[:, :, :256], k[:, :, :256], v[:, :, :256], min_len=512) == (
-        None, {"estimate": None, "tried": None, "sample_rel_error": {}})
+        None, {"estimate": None, "tried": None, "sample_rel_error": {}, "speed": None})
     with pytest.raises(ValueError, match="methods must be a non-empty tuple of: pooled, nystrom"):
         choose_rank(q, k, v, methods=("pca",))
 
@@ -787,6 +787,97 @@ def test_rank_policy_tries_the_pooled_path_first():
         ada(x, x, x)
         (why,) = ada.get_statistics()["low_rank_skipped"]
         assert [m for m in ("pooled", "nystrom") if f"{m} " in why] == tried, why
+
+
+def test_rank_policy_takes_a_low_rank_path_only_where_it_is_faster():
+    """The path within the error budget is timed against the exact path (``speed``) and taken only where it
+    is faster; a path that fails the error check is not timed."""
+    from adaattn.attention.rank import LowRank, Speed, choose_rank
+
+    v = torch.randn(1, 1, 1024, 32)
+    q, k = _clustered(1024, 8, True, 1), _clustered(1024, 8, True, 2, noise=0.1)
+    timed = []
+
+    def speed(low: float):
+        return lambda choice: timed.append(choice) or Speed(low, 1.0, "sdpa")
+
+    r, seen = choose_rank(q, k, v, sample=64, min_len=512, methods=("nystrom",), speed=speed(0.5))
+    assert r == LowRank("nystrom", 16) == timed[-1] and seen["speed"] == Speed(0.5, 1.0, "sdpa")
+    r, seen = choose_rank(q, k, v, sample=64, min_len=512, methods=("nystrom",), speed=speed(1.0))
+    assert r is None and seen["speed"] == Speed(1.0, 1.0, "sdpa") and seen["sample_rel_error"]["nystrom"] < 0.05
+    # the first path within the budget is the one timed (pooled fails here, Nystrom passes)
+    r, seen = choose_rank(q, k, v, sample=64, min_len=512, speed=speed(2.0))
+    assert r is None and timed[-1] == LowRank("nystrom", 16) and len(timed) == 3
+    q, k = _clustered(1024, 8, False, 1), _clustered(1024, 8, False, 2)  # spread: no path within the budget
+    r, seen = choose_rank(q, k, v, sample=64, min_len=512, speed=speed(0.5))
+    assert r is None and seen["speed"] is None and len(timed) == 3
+
+
+def _low_rank_module(**kw) -> tuple[AdaAttention, torch.Tensor]:
+    """A module whose projections are identities (q = k = v = x) and an input of 8 contiguous clusters: its
+    attention has rank 8 in every head, and a low-rank path passes the policy's error check."""
+    ada = AdaAttention(E, H, rank_mode="auto", min_low_rank_len=512, **kw)
+    with torch.no_grad():
+        ada.in_proj_weight.copy_(torch.eye(E).repeat(3, 1))
+        ada.in_proj_bias.zero_()
+    centres = torch.randn(8, E, generator=torch.Generator().manual_seed(0))
+    x = centres[torch.arange(1024) * 8 // 1024] + 0.01 * torch.randn(1024, E, generator=torch.Generator().manual_seed(1))
+    return ada, x[None]
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_adaattention_times_its_low_rank_path_against_the_exact_one(monkeypatch, faster):
+    """rank_mode "auto": the module's call through the policy's low-rank path and through the manager's first
+    backend, timed by the manager (``time_calls``) on this call's inputs; the path runs only where it is
+    faster, and where it is not the reason says so with both times."""
+    manager = AttentionKernelManager(backends=["sdpa", "math"], call_budget_ms=0)
+    ada, x = _low_rank_module(kernel_manager=manager)
+    seen = {}
+
+    def time_calls(calls, device):
+        seen.update(calls)
+        outs = {n: c() for n, c in calls.items()}  # each is the module's whole call with its path
+        assert all(o.shape == x.shape for o in outs.values())
+        return {"low-rank": 1.0 if faster else 3.0, **{n: 2.0 for n in calls if n != "low-rank"}}
+
+    monkeypatch.setattr(manager, "time_calls", time_calls)
+    with torch.no_grad():  # an inference signature: the forward is what is timed
+        ada(x, x, x)
+    exact = manager.rankings[next(iter(manager.rankings))][0]  # the manager ranked the exact path's backends
+    assert set(seen) == {"low-rank", exact}
+    stats = ada.get_statistics()
+    if faster:
+        assert [r for r in stats["ranks"] if r.startswith("low-rank")] and not stats["low_rank_skipped"], stats
+    else:
+        assert stats["ranks"].get("full") == 1 and stats["calls"] == {exact: 1}, stats
+        (why,) = stats["low_rank_skipped"]
+        assert f"3 ms per call, not faster than the exact path's {exact} (2 ms)" in why, why
+    seen.clear()
+    with torch.no_grad():
+        ada(x, x, x)  # the choice is kept: no second timing
+    assert not seen and ada.get_statistics()["ranks"].get("full" if not faster else next(
+        r for r in stats["ranks"] if r.startswith("low-rank"))) == 2
+
+
+def test_kernel_manager_times_calls_that_are_not_its_backends(monkeypatch):
+    """``time_calls``: ms per call of each, by the manager's objective; one that fails is left out, with a
+    fallback noted. Without the manager (enable_gpu_optimization=False) the exact side is SDPA."""
+    manager = AttentionKernelManager(backends=["sdpa"], call_budget_ms=50)
+    a = torch.randn(64, 64)
+
+    def boom():
+        raise RuntimeError("no")
+
+    times = manager.time_calls({"mm": lambda: a @ a, "add": lambda: a + a, "boom": boom}, torch.device("cpu"))
+    assert set(times) == {"mm", "add"} and all(0 < t < 1e3 for t in times.values())
+    assert any(b == "boom" and "rejected while measuring: RuntimeError: no" in r for b, r in manager.fallbacks)
+    ada, x = _low_rank_module(kernel_manager=manager, enable_gpu_optimization=False)
+    names = []
+    monkeypatch.setattr(manager, "time_calls", lambda calls, device: names.extend(calls) or {"low-rank": 2, "sdpa": 1})
+    ada(x, x, x)
+    assert names == ["low-rank", "sdpa"] and not manager.rankings  # the manager ranked nothing
+    (why,) = ada.get_statistics()["low_rank_skipped"]
+    assert "not faster than the exact path's sdpa (1 ms)" in why, why
 
 
 def test_pooled_attention_is_exact_on_keys_equal_within_segments(monkeypatch):

@@ -169,15 +169,36 @@ def test_host_probe_is_taken_at_most_every_few_seconds_and_summed_up_per_target(
     assert t.loc["cpu", "probes"] == 1 and float(t.loc["cpu", "slowest / fastest"]) == 1.0
 
 
-def test_rank_study_policy_estimators_and_oracle():
+def test_rank_study_policy_estimators_and_oracle(monkeypatch):
+    """The policy's paths by error, then by speed against the exact path. The speed check's timings are
+    replaced (each call run once): under TRITON_INTERPRET the pooled path runs interpreted Triton on the CPU,
+    hundreds of times slower than SDPA, and the policy would rightly keep the exact path."""
+    from adaattn.attention.kernel_manager import AttentionKernelManager
+    from adaattn.attention.rank import Speed
     from adaattn_experiments.rank import STUDY
 
+    timed = []
+
+    def time_calls(self, calls, device):
+        timed.append([n for n, c in calls.items() if c() is not None])
+        return {n: 1.0 if n == "low-rank" else 2.0 for n in calls}
+
+    monkeypatch.setattr(AttentionKernelManager, "time_calls", time_calls)
     params, _ = _params(**{"G2-C1.cpu.seq_lens": [256], "G2-C1.cpu.true_ranks": [8], "G2-C1.cpu.ranks": [8, 16, 32],
                            "G2-C1.cpu.exact_providers": ["sdpa"]})
     df = _run(STUDY, params)
     pol = df[df.metric == "policy_rank"].set_index("inputs")
-    assert pol.loc["contiguous-r8", "value"] == 16  # 2 x the estimate, accepted on its sampled error
-    assert pol.loc["contiguous-r8", "kernel"] in ("pooled", "nystrom") and pol.loc["random", "kernel"] == ""
+    # 2 x the estimate, accepted on its sampled error and faster than the exact path, timed side by side
+    assert pol.loc["contiguous-r8", "value"] == 16, pol.loc["contiguous-r8", "reason"]
+    assert pol.loc["contiguous-r8", "kernel"] in ("pooled", "nystrom") and pol.loc["random", "kernel"] == "sdpa"
+    speed = df[df.metric.isin(["policy_low_rank_ms", "policy_exact_ms"])].set_index("metric")
+    assert set(speed.inputs) == {"contiguous-r8"} and speed.loc["policy_exact_ms", "kernel"] == "sdpa"
+    assert (speed.loc["policy_low_rank_ms", "value"], speed.loc["policy_exact_ms", "value"]) == (1.0, 2.0)
+    assert timed == [["low-rank", "sdpa"]]  # the one case whose path passed its error check
+    # a path that is not faster: the exact path, and why, with both times
+    seen = {"estimate": 8, "tried": 16, "sample_rel_error": {"pooled": 0.0496}, "speed": Speed(0.413, 0.2, "sdpa")}
+    assert STUDY._why_exact(seen) == ("16 landmarks (pooled, sampled rel L2 0.0496): 0.413 ms per call, not faster "
+                                      "than sdpa's 0.2 ms")
     assert pol.loc["spread-r8", "value"] == 0 and "rel L2 pooled" in pol.loc["spread-r8", "reason"]
     assert "nystrom" in pol.loc["spread-r8", "reason"]  # both paths tried, both too far off
     assert pol.loc["random", "value"] == 0 and "not clearly low" in pol.loc["random", "reason"]

@@ -12,9 +12,10 @@ so its ``state_dict`` loads as it is. ``num_kv_heads`` < ``num_heads`` is GQA. U
 
 Per call: the precision policy (``precision.py``) picks the compute dtype; ``rank_mode`` picks
 the exact path or a low-rank path (``rank.py``: Nyström or pooled segment means,
-``low_rank_method``; "auto" estimates the rank of the first call of each signature and tries the
-paths on sampled rows, and only unmasked attention of ``min_low_rank_len`` keys or more goes
-low-rank); the exact path goes through the kernel manager (``kernel_manager.py``), which runs
+``low_rank_method``; "auto" estimates the rank of the first call of each signature, tries the
+paths on sampled rows, and takes the one within its error budget only where the module's call
+through it is faster than through the exact path, timed side by side (``_low_rank_speed``); only
+unmasked attention of ``min_low_rank_len`` keys or more goes low-rank); the exact path goes through the kernel manager (``kernel_manager.py``), which runs
 the fastest backend measured on this machine for the inputs (timing this module's whole call with
 each backend: ``_call_of``). A later call like an earlier one
 (same shapes, causal, mode, grad mode and projections' dtype; no mask, no weights) replays those
@@ -40,7 +41,7 @@ from torch import Tensor, nn
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Run, Signature, attention_probs
 from adaattn.attention.precision import PRECISION_MODES, PrecisionPolicy
-from adaattn.attention.rank import LOW_RANK_METHODS, LowRank, choose_rank, low_rank_attention
+from adaattn.attention.rank import LOW_RANK_METHODS, LowRank, Speed, choose_rank, low_rank_attention
 
 ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file for the shared manager's measured choices
 _shared: AttentionKernelManager | None = None
@@ -288,8 +289,10 @@ class AdaAttention(nn.Module):
             additive = additive.masked_fill(~allowed, float("-inf"))
         return additive, False
 
-    def _rank_for(self, key: str, q: Tensor, k: Tensor, v: Tensor, masked: bool) -> LowRank | None:
-        """The low-rank path and its landmarks for this call, or None for the exact path."""
+    def _rank_for(self, key: str, q: Tensor, k: Tensor, v: Tensor, masked: bool,
+                  speed: Callable[[LowRank], Speed]) -> LowRank | None:
+        """The low-rank path and its landmarks for this call, or None for the exact path. ``speed``: the
+        rank policy's timing of a low-rank path against the exact one (``_low_rank_speed``)."""
         if self.rank_mode == "full":
             return None
         if masked:
@@ -300,10 +303,14 @@ class AdaAttention(nn.Module):
         if key not in self._rank_choice:
             methods = LOW_RANK_METHODS if self.low_rank_method == "auto" else (self.low_rank_method,)
             r, seen = choose_rank(q, k, v, sample=self.rank_sample_rows, min_len=self.min_low_rank_len,
-                                  max_rel_error=self.max_rank_error, methods=methods)
+                                  max_rel_error=self.max_rank_error, methods=methods, speed=speed)
             if seen["estimate"] is not None:
                 self._ranks[f"estimated {seen['estimate']}"] += 1
-            if seen["tried"] is not None and r is None:
+            if seen["speed"] is not None and r is None:
+                sp, method = seen["speed"], list(seen["sample_rel_error"])[-1]
+                self._low_rank_skipped[f"{seen['tried']} landmarks ({method}): {sp.low_rank_ms:.3g} ms per call, "
+                                       f"not faster than the exact path's {sp.exact} ({sp.exact_ms:.3g} ms)"] += 1
+            elif seen["tried"] is not None and r is None:
                 errs = ", ".join(f"{m} {e:.3g}" for m, e in seen["sample_rel_error"].items())
                 self._low_rank_skipped[f"{seen['tried']} landmarks: sampled rows' relative error ({errs}) "
                                        f"> {self.max_rank_error}"] += 1
@@ -407,7 +414,10 @@ class AdaAttention(nn.Module):
             else q.dtype
         self._precisions[dtype] += 1
         qc, kc, vc = (q, k, v) if q.dtype == dtype else (t.to(dtype) for t in (q, k, v))
-        rank = self._rank_for(key_, qc, kc, vc, mask_kind != "none")
+        msig = sig if qc is q else Signature.of(qc, kc, mask_kind)  # the manager's: the compute dtype's
+        call_of = self._call_of(query, key, value, mask, causal, scale, dtype, sig.grad)
+        rank = self._rank_for(key_, qc, kc, vc, mask_kind != "none",
+                              functools.partial(self._low_rank_speed, call_of, msig, qc, kc, vc, scale))
         backend = None
         if rank is not None:
             self._ranks[f"low-rank {rank}"] += 1
@@ -415,9 +425,7 @@ class AdaAttention(nn.Module):
         else:
             self._ranks["full"] += 1
             if self._through_manager():
-                msig = sig if qc is q else Signature.of(qc, kc, mask_kind)  # the manager's: the compute dtype's
-                out, backend = self.manager(qc, kc, vc, mask, causal, scale, sig=msig,
-                                            call=self._call_of(query, key, value, mask, causal, scale, dtype, sig.grad))
+                out, backend = self.manager(qc, kc, vc, mask, causal, scale, sig=msig, call=call_of)
             else:
                 out = _sdpa_path(self.dropout if self.training else 0.0)(qc, kc, vc, mask, causal, scale)
         if call is not None:
@@ -448,6 +456,22 @@ class AdaAttention(nn.Module):
         counts against the module's GPU work: where the module's call is host-bound, a backend with less host
         time makes it faster though its kernel is slower."""
         return functools.partial(self._timed_call, query, key, value, mask, causal, scale, dtype, grad)
+
+    def _low_rank_speed(self, call_of: Callable[[Run], Callable[[], object]], msig: Signature, q: Tensor, k: Tensor,
+                        v: Tensor, scale: float, choice: LowRank) -> Speed:
+        """The rank policy's check (``choose_rank``'s ``speed``): this call through the low-rank path ``choice``
+        against this call through the exact path's backend (the manager's first, which it ranks here if it
+        has not yet; SDPA without the manager), timed side by side as the manager times backends
+        (``AttentionKernelManager.time_calls``: by its objective)."""
+        if self._through_manager():
+            ranked = self.manager.ranking(msig, q, k, v, None, False, scale, call=call_of)
+            if not ranked:  # every backend disabled: the low-rank path is the one that runs
+                return Speed(0.0, math.inf, "none")
+            exact, run = ranked[0], BACKENDS[ranked[0]].run
+        else:
+            exact, run = "sdpa", _sdpa_path(self.dropout if self.training else 0.0)
+        times = self.manager.time_calls({"low-rank": call_of(_low_rank(choice)), exact: call_of(run)}, q.device)
+        return Speed(times.get("low-rank", math.inf), times.get(exact, math.inf), exact)
 
     def _timed_call(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool, scale: float,
                     dtype: torch.dtype, grad: bool, run: Run) -> Callable[[], object]:

@@ -673,24 +673,7 @@ class AttentionKernelManager:
         ``CONTENDER`` times slower than the fastest (by the ranking's time) takes no more turns: it cannot
         come first, and at long sequences the math backends' calls are most of the measurement."""
         calls = self._calls(sig, q, k, v, attn_mask, is_causal, scale, call)
-        turns: dict[str, list[Timing]] = {name: [] for name in calls}
-        names = list(calls)
-        for r in range(ROUNDS):
-            if r == CONTENDER_ROUNDS and turns:
-                lead = {n: self._time_of(_combined(ts)) for n, ts in turns.items()}
-                names = [n for n in names if n in lead and lead[n] <= CONTENDER * min(lead.values())]
-            first = r % len(names) if names else 0
-            for name in names[first:] + names[:first]:
-                if name not in turns:
-                    continue
-                try:
-                    turns[name].append(_timed(calls[name], q.device, self.warmup if r == 0 else 0, self.repeats))
-                except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
-                    self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
-                    del turns[name]
-        times = {name: _combined(ts) for name, ts in turns.items()}
-        if self.objective == "call" and self.call_budget_ms > 0:
-            times = self._paired(calls, times, q.device)
+        times = self._timings(calls, q.device)
         if not times:
             raise RuntimeError(f"no attention backend can run {sig}: " + "; ".join(
                 f"{n}: {w}" for n, w in self.candidates(sig) if w))
@@ -704,6 +687,38 @@ class AttentionKernelManager:
             self._first[key] = time.monotonic()
             self._schedule(key)
         return (rank_timings(paired, self.objective) if paired else []) + (rank_timings(rest, self.objective) if rest else [])
+
+    def _timings(self, calls: dict[str, Callable[[], object]], device: torch.device) -> dict[str, Timing]:
+        """``calls`` timed in ``ROUNDS`` interleaved rounds (``_measure``), then, under objective "call", the paired
+        rounds of those within ``CALL_SPREAD`` of the fastest (``_paired``). A call that fails is left out, its
+        reason noted."""
+        turns: dict[str, list[Timing]] = {name: [] for name in calls}
+        names = list(calls)
+        for r in range(ROUNDS):
+            if r == CONTENDER_ROUNDS and turns:
+                lead = {n: self._time_of(_combined(ts)) for n, ts in turns.items()}
+                names = [n for n in names if n in lead and lead[n] <= CONTENDER * min(lead.values())]
+            first = r % len(names) if names else 0
+            for name in names[first:] + names[:first]:
+                if name not in turns:
+                    continue
+                try:
+                    turns[name].append(_timed(calls[name], device, self.warmup if r == 0 else 0, self.repeats))
+                except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
+                    self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
+                    del turns[name]
+        times = {name: _combined(ts) for name, ts in turns.items()}
+        if self.objective == "call" and self.call_budget_ms > 0:
+            times = self._paired(calls, times, device)
+        return times
+
+    def time_calls(self, calls: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
+        """Alternatives that are not this manager's backends, timed as it times its backends and by what it
+        ranks them by (``objective``): ms per call of each of ``calls`` (a name that failed is left out, its
+        reason noted as a fallback). AdaAttention's rank policy weighs its low-rank path against the exact
+        path's backend with it (``rank.choose_rank``'s ``speed``). A call timed for the first time takes its
+        warm-up turns here."""
+        return {name: self._time_of(t) for name, t in self._timings(calls, device).items()}
 
     def _calls(self, sig, q, k, v, attn_mask, is_causal, scale, call=None) -> dict[str, Callable[[], object]]:
         """The call to time per backend that can run ``sig``: the caller's (``call(run)``) or the op alone."""

@@ -33,7 +33,14 @@ Policy (``choose_rank``, what ``rank_mode="auto"`` runs on the first call of a s
 sampled spectrum rank r_est of every head; if the largest is clearly low (at most half the
 sample and at most S/16), 2 r_est landmarks are tried on the sampled query rows by each low-rank
 path in turn, the cheaper first (``LOW_RANK_METHODS``: pooled, then Nyström), and the first whose
-relative L2 error against exact attention of those rows is within ``max_rel_error`` is taken.
+relative L2 error against exact attention of those rows is within ``max_rel_error`` is taken where it
+is faster than the exact path (``speed``: AdaAttention times its own call through the path against its
+call through the exact path's backend, side by side, as its kernel manager times backends:
+``AttentionKernelManager.time_calls``); otherwise the exact path runs. Why: the path pays its error
+for speed, and at short sequences it is slower. In the H100 rank run at code eb6de453 (contiguous
+rank-16 inputs, B=1, 8 heads of 64, bf16; the policy then went by error alone) the policy's path took
+2.28x the best exact backend's time per call at S=1024 (pooled, 32 landmarks) and 2.41x at S=2048
+(Nyström, 32): two and four Triton launches against one cuDNN kernel.
 Segment-mean landmarks summarise contiguous tokens: a matrix of low rank whose structure is not
 contiguous in the sequence (clustered tokens spread over it) can fail the check and stay exact.
 """
@@ -41,6 +48,7 @@ contiguous in the sequence (clustered tokens spread over it) can fail the check 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -233,16 +241,27 @@ def _pinv(a: Tensor, iters: int) -> Tensor:
     return z.view(shape)
 
 
+class Speed(NamedTuple):
+    """A low-rank path's time per call against the exact path's, timed side by side (``choose_rank``)."""
+
+    low_rank_ms: float  # inf: the low-rank path failed where it was timed
+    exact_ms: float
+    exact: str  # what the exact path runs (a kernel manager's backend)
+
+
 def choose_rank(q: Tensor, k: Tensor, v: Tensor, sample: int = 64, min_len: int = 1024,
                 max_rel_error: float = 0.05, scale: float | None = None,
-                methods: tuple[str, ...] = LOW_RANK_METHODS) -> tuple[LowRank | None, dict]:
+                methods: tuple[str, ...] = LOW_RANK_METHODS,
+                speed: Callable[[LowRank], Speed] | None = None) -> tuple[LowRank | None, dict]:
     """The policy: (the low-rank path and its landmarks, or None for the exact path; what it saw:
-    ``estimate``, the landmarks ``tried`` and ``sample_rel_error`` per method tried). ``methods``: the
-    low-rank paths to try, in order. See the module docstring."""
+    ``estimate``, the landmarks ``tried``, ``sample_rel_error`` per method tried, and ``speed``, the
+    ``Speed`` of the path whose error passed, or None). ``methods``: the low-rank paths to try, in order.
+    ``speed(path)``: times the path against the exact one; the path is taken only where it is faster
+    (None: by its error alone). See the module docstring."""
     bad = [m for m in methods if m not in LOW_RANK_METHODS]
     if not methods or bad:
         raise ValueError(f"methods must be a non-empty tuple of: {', '.join(LOW_RANK_METHODS)}; got {methods!r}")
-    seen: dict = {"estimate": None, "tried": None, "sample_rel_error": {}}
+    seen: dict = {"estimate": None, "tried": None, "sample_rel_error": {}, "speed": None}
     if k.shape[2] < min_len:
         return None, seen
     est = int(estimate_rank(q, k, sample_rows=sample, scale=scale)["spectrum"].max().item())
@@ -259,11 +278,16 @@ def choose_rank(q: Tensor, k: Tensor, v: Tensor, sample: int = 64, min_len: int 
         kk, vv = (t.detach().float().repeat_interleave(g, dim=1) for t in (k, v))
         exact = torch.softmax(q.detach().float()[:, :, idx] @ kk.transpose(-2, -1) * scale, dim=-1) @ vv
         norm = torch.linalg.vector_norm(exact).clamp_min(1e-30)
+        passed = None
         for method in methods:
             choice = LowRank(method, r)
             approx = low_rank_attention(q.detach(), k.detach(), v.detach(), choice, scale=scale, rows=idx).float()
             err = (torch.linalg.vector_norm(approx - exact) / norm).item()
             seen["sample_rel_error"][method] = err
             if err <= max_rel_error:
-                return choice, seen
-    return None, seen
+                passed = choice
+                break
+    if passed is None or speed is None:
+        return passed, seen
+    seen["speed"] = speed(passed)  # outside no_grad: a training call's speed is its forward's and backward's
+    return (passed if seen["speed"].low_rank_ms < seen["speed"].exact_ms else None), seen
