@@ -129,6 +129,19 @@ def _param(module: nn.Module, name: str) -> Tensor | None:
     return p[name] if name in p else getattr(module, name)
 
 
+def check_policy(precision_mode: str, rank_mode: str | int, low_rank_method: str, dropout: float) -> None:
+    """AdaAttention's policy arguments, checked (a ValueError naming the argument and what it allows)."""
+    if precision_mode not in PRECISION_MODES:
+        raise ValueError(f"precision_mode {precision_mode!r} is not one of: {', '.join(PRECISION_MODES)}")
+    if not (rank_mode in ("auto", "full") or (isinstance(rank_mode, int) and not isinstance(rank_mode, bool)
+                                              and rank_mode >= 1)):
+        raise ValueError(f"rank_mode must be 'auto', 'full' or a positive int; got {rank_mode!r}")
+    if low_rank_method not in ("auto", *LOW_RANK_METHODS):
+        raise ValueError(f"low_rank_method {low_rank_method!r} is not one of: auto, {', '.join(LOW_RANK_METHODS)}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a number in [0, 1); got {dropout!r}")
+
+
 def _untrack(plans: dict) -> None:
     for plan in plans.values():
         if plan.manager is not None:
@@ -166,15 +179,7 @@ class AdaAttention(nn.Module):
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if precision_mode not in PRECISION_MODES:
-            raise ValueError(f"precision_mode {precision_mode!r} is not one of: {', '.join(PRECISION_MODES)}")
-        if not (rank_mode in ("auto", "full") or (isinstance(rank_mode, int) and not isinstance(rank_mode, bool)
-                                                  and rank_mode >= 1)):
-            raise ValueError(f"rank_mode must be 'auto', 'full' or a positive int; got {rank_mode!r}")
-        if low_rank_method not in ("auto", *LOW_RANK_METHODS):
-            raise ValueError(f"low_rank_method {low_rank_method!r} is not one of: auto, {', '.join(LOW_RANK_METHODS)}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+        check_policy(precision_mode, rank_mode, low_rank_method, dropout)
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
@@ -600,8 +605,5 @@ class AdaAttention(nn.Module):
         return stats
 
 
-# The guide's names: CUDAManager -> hardware.HardwareCapabilities (also exported as CUDAManager),
-# AdaptiveFlashAttention -> AdaAttention, memory_efficient_attention -> chunked.chunked_attention,
-# fused_scaled_dot_product_attention -> kernel_manager.AttentionKernelManager (fastest correct backend,
-# with fallback).
-AdaptiveFlashAttention = AdaAttention
+# The guide's other names (AdaptiveFlashAttention with FlashAttentionConfig, fused_scaled_dot_product_attention,
+# memory_efficient_attention, CUDAManager): ``flash_attention.py``.

@@ -25,13 +25,18 @@ def _block_mask(attn_mask: Tensor | None, start: int, stop: int) -> Tensor | Non
     return attn_mask[..., start:stop, :] if attn_mask.shape[-2] != 1 else attn_mask
 
 
-def chunked_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
-                      scale: float | None = None, chunk_size: int = 1024) -> Tensor:
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """SDPA's shapes: q (B, Hq, L, D), k and v (B, Hkv, S, D), Hq a multiple of Hkv (a ValueError otherwise)."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q must be (B, Hq, L, D) and k, v (B, Hkv, S, D); got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+
+
+def chunked_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
+                      scale: float | None = None, chunk_size: int = 1024) -> Tensor:
+    check_qkv(q, k, v)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
     if is_causal and attn_mask is not None:
