@@ -1060,3 +1060,53 @@ def test_module_gpu_work_hides_a_backends_host_time(monkeypatch):
         ada(x, x, x)
     key = next(k for k, what in km.timed.items() if what == "call")
     assert km.rankings[key] == ["hostly", "gpuy"], km.timings[key]
+
+
+def test_manager_gpu_timing_lengthens_the_hold_until_it_outlasts_the_host(monkeypatch):
+    """The sleep that holds the stream while the host issues the timed calls is doubled while it was over before
+    the last call was issued (its event completed), whatever the calibrated length in ms said: here the GPU
+    runs the sleep three times as fast as calibrated (a lent H100 ran it at 1.9x, at a higher clock than it
+    was calibrated at, while the host was as fast as the first issue said). CUDA simulated on the CPU: the
+    sleep ends at a time the fake events read."""
+    from adaattn.attention import kernel_manager as km
+
+    class Gpu:
+        free_at = 0.0  # perf_counter time the simulated sleep ends
+        sleeps: list[float] = []  # each sleep's true length (s)
+
+    def sleep(cycles):
+        true_s = cycles / 3e6 / 1e3  # runs at 3e6 cycles/ms, three times the calibrated 1e6
+        Gpu.sleeps.append(true_s)
+        Gpu.free_at = time.perf_counter() + true_s
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = Gpu.free_at  # recorded after the sleep: completes when it ends
+
+        def query(self):
+            return time.perf_counter() >= self.at
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(km, "_sleep_cycles_per_ms", lambda index: 1e6)
+    monkeypatch.setattr(km, "_turn", lambda call, device, repeats: 1.0)
+    issued = []
+
+    def call():  # 2 ms of host time per call
+        time.sleep(0.002)
+        issued.append(time.perf_counter())
+
+    timing = km._timed(call, torch.device("cuda", 0), warmup=0, repeats=3)
+    assert len(Gpu.sleeps) >= 2 and all(b == pytest.approx(2 * a) for a, b in zip(Gpu.sleeps, Gpu.sleeps[1:]))
+    assert Gpu.free_at > issued[-1]  # the last sleep outlasted the host's issue of the timed calls
+    assert len(Gpu.sleeps) <= km.HOLD_TRIES and timing.gpu_ms == pytest.approx(1 / 3)

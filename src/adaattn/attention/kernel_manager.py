@@ -388,6 +388,9 @@ def rank_timings(times: dict[str, Timing], objective: str = "call", host_slack: 
     return out
 
 
+HOLD_TRIES = 4  # sleeps tried, each twice the last, before a GPU time is taken as it came
+
+
 @functools.cache
 def _sleep_cycles_per_ms(index: int) -> float:
     """Clock cycles of ``torch.cuda._sleep`` per ms on this GPU (calibrated once per process)."""
@@ -408,7 +411,13 @@ def _timed(call: Callable[[], object], device: torch.device, warmup: int, repeat
 
     On a GPU a sleep kernel holds the stream while the host issues the timed calls, so the events
     around them measure GPU work, not host gaps; the sleep is sized from one issue of the call and
-    doubled (up to three tries) when the host took longer than it. Time per call, as the scaling
+    doubled (up to ``HOLD_TRIES`` tries) while it was over before the host had issued the last call
+    (the event after it had completed). Why that test and not the host's time against the sleep's
+    length: the length in ms follows the GPU's clock, which ``_sleep_cycles_per_ms`` reads once. On
+    a lent H100 (scratch run, module calls with backward at B=1 S=512-1024) a sleep sized for 8.8 ms
+    held the stream for 4.7 ms, and the host's 5.2-5.3 ms of calls outlasted it; in the scaling run at
+    code f4b8b2d7 the manager that ranks by GPU time put forced efficient attention first at B=1
+    S=1024 forward and backward, whose kernels took 2.0x SDPA's in the study's trace. Time per call, as the scaling
     study's side-by-side turns take it: the queue drained, one call not counted (its host time runs on
     an idle GPU), then ``repeats`` calls between two events: the host's time where the call is
     host-bound, the GPU's where it is GPU-bound; the fastest of ``BURSTS`` such bursts."""
@@ -423,7 +432,7 @@ def _timed(call: Callable[[], object], device: torch.device, warmup: int, repeat
         torch.cuda.synchronize(device)
         sleep_ms = 2 * repeats * issue_ms + 0.5
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3 if cuda else 1):
+    for _ in range(HOLD_TRIES if cuda else 1):
         if cuda:
             torch.cuda._sleep(int(sleep_ms * _sleep_cycles_per_ms(device.index or 0)))
             start.record()
@@ -434,9 +443,10 @@ def _timed(call: Callable[[], object], device: torch.device, warmup: int, repeat
             host.append((time.perf_counter() - t0) * 1e3)
         if not cuda:
             return Timing(min(host), None, min(host))
+        held = not start.query()  # the sleep still held the stream when the last call was issued
         end.record()
         end.synchronize()
-        if sum(host) < sleep_ms:
+        if held:
             break
         sleep_ms *= 2
     gpu_ms = start.elapsed_time(end) / repeats
