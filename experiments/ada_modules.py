@@ -54,7 +54,6 @@ from torch import Tensor, nn
 
 from adaattn.attention.ada import AdaAttention
 from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Timing
-from adaattn.attention.paired import CI_LEVEL, median_ci, round_ratios
 from adaattn.attention.providers import DTYPES, PROVIDERS
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload, classify_error
@@ -62,7 +61,7 @@ from adaattn.bench.runner import target_sections
 from adaattn.bench.timing import KernelTrace, UncutTrace, kernel_times_ms, quantiles
 from adaattn.config import Params, Target
 from adaattn.report.common import Section
-from adaattn_experiments.side_by_side import call_of, side_by_side_rows
+from adaattn_experiments.side_by_side import call_of, paired_ratio_rows, side_by_side_rows
 
 SEED = 0
 
@@ -181,25 +180,6 @@ class _Direct(nn.Module):
         B, S, E = x.shape
         q, k, v = a._project(x, x, x)
         return a._out_proj(self.run(q, k, v, None, causal, 1 / math.sqrt(a.head_dim)), B, S, E)
-
-
-def _paired_kernel_rows(base: dict, names: list[str], trace: KernelTrace) -> list[dict]:
-    """``goal_kernel_paired_ratio`` rows (and their ``_ci_low``, ``_ci_high``): the first provider's kernel
-    time over each other's, round by round (sample j of every provider is from round j of the trace's round
-    robin), the median and its confidence interval, as ``side_by_side_rows``' ``paired_ratio`` rows."""
-    rows = []
-    unit = (f"{names[0]}'s kernel time over this provider's in the same round of the trace (p50 over "
-            f"{len(trace.samples[0])} rounds)")
-    for name, samples in zip(names[1:], trace.samples[1:], strict=True):
-        per_round = round_ratios(trace.samples[0], samples)
-        q = quantiles(per_round)
-        rows.append(base | {"provider": name, "metric": "goal_kernel_paired_ratio", "value": q.p50, "p20": q.p20,
-                            "p80": q.p80, "mean": q.mean, "std": q.std, "unit": unit, "status": "ok", "reason": ""})
-        for side, bound in zip(("low", "high"), median_ci(per_round), strict=True):
-            rows.append(base | {"provider": name, "metric": f"goal_kernel_paired_ratio_ci_{side}", "value": bound,
-                                "unit": f"{CI_LEVEL:.0%} confidence bound of the p50 of the {unit} "
-                                        "(distribution-free: order statistics)", "status": "ok", "reason": ""})
-    return rows
 
 
 def spin(us: float) -> None:
@@ -507,8 +487,10 @@ class ModuleStudy:
                                 f"providers interleaved in one trace, {self.goal_kernel_calls} rounds"
                                 f"{trace.note() if trace else ''})",
                         "kernel": chosen if p == "adaattn_gpu" else ""})
-                if trace:
-                    rows += _paired_kernel_rows(base | {"mode": mode}, names, trace)
+                if trace:  # adaattn_gpu's kernel time over each direct backend's, round by round
+                    rows += paired_ratio_rows(base | {"mode": mode}, "goal_kernel_paired_ratio", names[0],
+                                              trace.samples[0], dict(zip(names[1:], trace.samples[1:], strict=True)),
+                                              "kernel time, summed over the call's kernels, in one profiler trace")
         return rows
 
     def _kernel_trace(self, case: Case, names: list[str], mode: str) -> tuple[KernelTrace, str]:

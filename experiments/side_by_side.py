@@ -226,24 +226,45 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
         settled = (f" ({again} of them a second block: the interval of {paired}'s ratio to a provider in the rounds "
                    f"spanned {settle:g})") if again else ""
         for name, x in by_name.items():
-            why = (f"left the rounds after {first}: {left[name]} faster with {CI_LEVEL:.0%} confidence"
-                   if name in left else "")
+            why = why_left(first, left[name]) if name in left else ""
             rows.append({**row, "provider": name, **_stats(quantiles(x)),
                          "unit": f"{unit}; {len(x)} rounds" + (settled if name not in left else ""),
                          "status": "ok", "reason": why})
-        for name, x in by_name.items() if paired in by_name else ():
-            if name != paired:
-                per_round = round_ratios(by_name[paired][:len(x)], x)  # the rounds both took part in
-                unit = f"{paired}'s time over this provider's in the same round (p50 over {len(x)} rounds; {how})"
-                rows.append({**row, "provider": name, "metric": "paired_ratio", **_stats(quantiles(per_round)),
-                             "unit": unit, "status": "ok", "reason": ""})
-                for side, bound in zip(("low", "high"), median_ci(per_round), strict=True):
-                    rows.append({**row, "provider": name, "metric": f"paired_ratio_ci_{side}", "value": bound,
-                                 "unit": f"{CI_LEVEL:.0%} confidence bound of the p50 of the {unit} "
-                                         "(distribution-free: order statistics)", "status": "ok", "reason": ""})
+        if paired in by_name:
+            others = {name: x for name, x in by_name.items() if name != paired}
+            rows += paired_ratio_rows(row, "paired_ratio", paired, by_name[paired], others, how,
+                                      {name: why_left(first, left[name]) for name in left})
         del calls
         if device == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+LEFT_ROUNDS = "left the rounds after"  # the reason of a rival that another beat with confidence (``outpaced``)
+
+
+def why_left(rounds: int, by: str) -> str:
+    return f"{LEFT_ROUNDS} {rounds}: {by} faster with {CI_LEVEL:.0%} confidence"
+
+
+def paired_ratio_rows(row: dict, metric: str, mine: str, my_samples: Sequence[float],
+                      others: Mapping[str, Sequence[float]], how: str,
+                      reasons: Mapping[str, str] | None = None) -> list[dict]:
+    """``metric`` rows, one per provider of ``others``, with their ``<metric>_ci_low`` and ``_ci_high``: ``mine``'s
+    time over that provider's, round by round over the rounds both took part in (sample j of each from round
+    j: ``round_ratios``), the median and its ``CI_LEVEL`` confidence bounds (``median_ci``). ``how``: how the
+    rounds were timed, for the unit; ``reasons``: a provider's reason (``why_left``: it left the rounds)."""
+    rows = []
+    for name, x in others.items():
+        per_round = round_ratios(my_samples[:len(x)], x)
+        unit = f"{mine}'s time over this provider's in the same round (p50 over {len(x)} rounds; {how})"
+        why = (reasons or {}).get(name, "")
+        rows.append({**row, "provider": name, "metric": metric, **_stats(quantiles(per_round)), "unit": unit,
+                     "status": "ok", "reason": why})
+        for side, bound in zip(("low", "high"), median_ci(per_round), strict=True):
+            rows.append({**row, "provider": name, "metric": f"{metric}_ci_{side}", "value": bound,
+                         "unit": f"{CI_LEVEL:.0%} confidence bound of the p50 of the {unit} "
+                                 "(distribution-free: order statistics)", "status": "ok", "reason": why})
     return rows
 
 

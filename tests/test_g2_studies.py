@@ -576,3 +576,29 @@ def test_goal_under_host_load_finds_whether_one_backend_holds_at_every_load():
     assert g["time"] == GOAL_TIMES["paired_ratio"] and g["above 1.03"] == 1
     (v,) = _goal_verdicts([g], t, load_rows)
     assert "at 1 of the 1 shapes above no direct backend is within the bound at every load" in v.reason
+
+
+def test_goal_is_decided_against_the_backends_still_in_the_rounds():
+    """A direct backend that left the side-by-side rounds (another faster than it with confidence) is not the
+    fastest: its wide interval from those few rounds does not decide the goal. Here adaattn over the one that
+    left spans 1.03 (40 rounds), over the one still in lies below it: the shape holds; with the reason gone,
+    the same rows leave it undecided."""
+    from adaattn_experiments.ada_modules_report import _paired_goal, _scaling_goal_rows
+    from adaattn_experiments.side_by_side import why_left
+
+    base = {"target": "h100", "case_id": "c", "mode": "fwd_bwd", "batch": 4, "seq_len": 1024, "status": "ok",
+            "p20": 0.9, "p80": 1.1, "reason": ""}
+    left = why_left(40, "direct:sdpa_efficient")
+    rows = []
+    for provider, (v, lo, hi), reason in (("direct:sdpa", (1.021, 0.900, 1.050), left),
+                                          ("direct:sdpa_efficient", (1.012, 1.006, 1.018), "")):
+        rows += [base | {"metric": "paired_ratio", "provider": provider, "value": v, "reason": reason},
+                 base | {"metric": "paired_ratio_ci_low", "provider": provider, "value": lo, "reason": reason},
+                 base | {"metric": "paired_ratio_ci_high", "provider": provider, "value": hi, "reason": reason}]
+    runs = pd.DataFrame(rows)
+    (goal,) = _paired_goal(runs).to_dict("records")
+    assert goal["vs"] == "direct:sdpa_efficient" and (goal["ci_low"], goal["ci_high"]) == (1.006, 1.018)
+    (g,) = _scaling_goal_rows(runs)
+    assert g["above 1.03"] == 0 and g["undecided"] == 0
+    (g,) = _scaling_goal_rows(runs.assign(reason=""))  # both counted: the highest bounds, 1.050 spans 1.03
+    assert g["above 1.03"] == 0 and g["undecided"] == 1

@@ -180,6 +180,10 @@ def test_rivals_outpaced_in_the_first_rounds_leave_and_the_rest_take_the_budget(
     pairs = {r["provider"]: r for r in rows if r["metric"] == "paired_ratio"}
     assert f"over {rounds['fast']} rounds" in pairs["fast"]["unit"] and "over 8 rounds" in pairs["slow"]["unit"]
     assert 1.5 < pairs["fast"]["value"] < 2.5 and 0.6 < pairs["slow"]["value"] < 1.0
+    # the ratio rows of a rival that left say so (a goal is decided against the rivals still in the rounds)
+    bounds = [r for r in rows if r["metric"].startswith("paired_ratio_ci_") and r["provider"] == "slow"]
+    assert len(bounds) == 2 and {r["reason"] for r in bounds} == {pairs["slow"]["reason"]} == {times["slow"]["reason"]}
+    assert pairs["fast"]["reason"] == ""
     # the budget fits the first rounds only: nobody leaves, one part
     rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=8,
                              max_rounds=40)

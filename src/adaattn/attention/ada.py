@@ -110,7 +110,7 @@ def _low_rank(choice: LowRank) -> Run:
     return run
 
 
-def _sdpa_path(dropout_p: float) -> Run:
+def sdpa_path(dropout_p: float) -> Run:
     """SDPA with the module's dropout (the path without the manager); GQA by SDPA's ``enable_gqa``. A plain
     function: a plan holding a bound method would keep its module alive in a reference cycle."""
     def run(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float) -> Tensor:
@@ -138,8 +138,13 @@ def check_policy(precision_mode: str, rank_mode: str | int, low_rank_method: str
         raise ValueError(f"rank_mode must be 'auto', 'full' or a positive int; got {rank_mode!r}")
     if low_rank_method not in ("auto", *LOW_RANK_METHODS):
         raise ValueError(f"low_rank_method {low_rank_method!r} is not one of: auto, {', '.join(LOW_RANK_METHODS)}")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be a number in [0, 1); got {dropout!r}")
+    check_dropout(dropout)
+
+
+def check_dropout(p: float, name: str = "dropout") -> None:
+    """A dropout probability: a number in [0, 1) (a ValueError naming ``name`` otherwise)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1); got {p!r}")
 
 
 def _untrack(plans: dict) -> None:
@@ -432,7 +437,7 @@ class AdaAttention(nn.Module):
             if self._through_manager():
                 out, backend = self.manager(qc, kc, vc, mask, causal, scale, sig=msig, call=call_of)
             else:
-                out = _sdpa_path(self.dropout if self.training else 0.0)(qc, kc, vc, mask, causal, scale)
+                out = sdpa_path(self.dropout if self.training else 0.0)(qc, kc, vc, mask, causal, scale)
         if call is not None:
             limit = self.precision.calls_until_check(key_) if policy else sys.maxsize
             if limit:  # None: the policy looks at every call
@@ -441,7 +446,7 @@ class AdaAttention(nn.Module):
                     limit = min(limit, self.manager.calls_until_look(msig.key()))
                 skipped = MASKED if self.rank_mode != "full" and mask_kind != "none" else None
                 run = _low_rank(rank) if rank is not None else BACKENDS[backend].run if backend else \
-                    _sdpa_path(self.dropout if self.training else 0.0)  # dropout: a policy attribute; training: in the key
+                    sdpa_path(self.dropout if self.training else 0.0)  # dropout: a policy attribute; training: in the key
                 self._file(call, _Plan(key_, q.dtype, sig.grad, dtype, rank, run, backend,
                                        self.manager if backend else None, None if dtype == query.dtype else query.dtype,
                                        causal, scale, limit, checks, skipped))
@@ -474,7 +479,7 @@ class AdaAttention(nn.Module):
                 return Speed(0.0, math.inf, "none")
             exact, run = ranked[0], BACKENDS[ranked[0]].run
         else:
-            exact, run = "sdpa", _sdpa_path(self.dropout if self.training else 0.0)
+            exact, run = "sdpa", sdpa_path(self.dropout if self.training else 0.0)
         times = self.manager.time_calls({"low-rank": call_of(_low_rank(choice)), exact: call_of(run)}, q.device)
         return Speed(times.get("low-rank", math.inf), times.get(exact, math.inf), exact)
 

@@ -34,13 +34,18 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
 
 
+def check_mask(attn_mask: Tensor | None, is_causal: bool) -> None:
+    """A mask or causal, not both (a ValueError otherwise, as ``scaled_dot_product_attention``)."""
+    if is_causal and attn_mask is not None:
+        raise ValueError("pass either attn_mask or is_causal, not both (as scaled_dot_product_attention)")
+
+
 def chunked_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
                       scale: float | None = None, chunk_size: int = 1024) -> Tensor:
     check_qkv(q, k, v)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
-    if is_causal and attn_mask is not None:
-        raise ValueError("pass either attn_mask or is_causal, not both (as scaled_dot_product_attention)")
+    check_mask(attn_mask, is_causal)
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv

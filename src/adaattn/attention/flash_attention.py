@@ -26,11 +26,10 @@ import dataclasses
 import functools
 import math
 
-import torch.nn.functional as F
 from torch import Tensor
 
-from adaattn.attention.ada import AdaAttention, check_policy, shared_kernel_manager
-from adaattn.attention.chunked import check_qkv
+from adaattn.attention.ada import AdaAttention, check_dropout, check_policy, sdpa_path, shared_kernel_manager
+from adaattn.attention.chunked import check_mask, check_qkv
 from adaattn.attention.chunked import chunked_attention as memory_efficient_attention
 from adaattn.attention.hardware import CUDAManager
 from adaattn.attention.kernel_manager import BACKENDS, FLASH_LIKE, OBJECTIVES, AttentionKernelManager
@@ -135,15 +134,11 @@ def fused_scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor
                          f"{value.dtype}")
     if not query.device == key.device == value.device:
         raise ValueError(f"query, key and value must be on one device; got {query.device}, {key.device}, {value.device}")
-    if is_causal and attn_mask is not None:
-        raise ValueError("pass either attn_mask or is_causal, not both (as scaled_dot_product_attention)")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1); got {dropout_p!r}")
+    check_mask(attn_mask, is_causal)
+    check_dropout(dropout_p, "dropout_p")
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     if dropout_p:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale,
-                                              enable_gqa=query.shape[1] != key.shape[1])
+        return sdpa_path(dropout_p)(query, key, value, attn_mask, is_causal, scale)
     out, _ = (manager or shared_kernel_manager())(query, key, value, attn_mask, is_causal, scale)
     return out
 
