@@ -53,9 +53,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.ada import AdaAttention
-from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Timing
+from adaattn.attention.backends import BACKENDS
+from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.providers import DTYPES, PROVIDERS
 from adaattn.attention.reference import attention_ref
+from adaattn.attention.timing import Timing
 from adaattn.bench.harness import Case, Workload, classify_error
 from adaattn.bench.runner import target_sections
 from adaattn.bench.timing import KernelTrace, UncutTrace, kernel_times_ms, quantiles

@@ -49,7 +49,8 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Signature
+from adaattn.attention.backends import BACKENDS, Signature
+from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.providers import DTYPES
 from adaattn.attention.rank import (
     LOW_RANK_METHODS,

@@ -225,15 +225,14 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
         by_name = {names[i]: by_index[i] for i in timed}
         settled = (f" ({again} of them a second block: the interval of {paired}'s ratio to a provider in the rounds "
                    f"spanned {settle:g})") if again else ""
+        gone = {name: why_left(first, by) for name, by in left.items()}
         for name, x in by_name.items():
-            why = why_left(first, left[name]) if name in left else ""
             rows.append({**row, "provider": name, **_stats(quantiles(x)),
                          "unit": f"{unit}; {len(x)} rounds" + (settled if name not in left else ""),
-                         "status": "ok", "reason": why})
+                         "status": "ok", "reason": gone.get(name, "")})
         if paired in by_name:
             others = {name: x for name, x in by_name.items() if name != paired}
-            rows += paired_ratio_rows(row, "paired_ratio", paired, by_name[paired], others, how,
-                                      {name: why_left(first, left[name]) for name in left})
+            rows += paired_ratio_rows(row, "paired_ratio", paired, by_name[paired], others, how, gone)
         del calls
         if device == "cuda":
             torch.cuda.empty_cache()

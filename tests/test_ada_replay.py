@@ -14,8 +14,9 @@ from torch import nn
 
 import adaattn.attention.ada as ada_mod
 from adaattn.attention.ada import AdaAttention
+from adaattn.attention.backends import BACKENDS, Backend, Signature
 from adaattn.attention.hardware import HardwareCapabilities
-from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Backend, Signature
+from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.precision import PrecisionPolicy
 
 E, H = 48, 4

@@ -38,8 +38,9 @@ import torch.nn.functional as F
 import torch.nn.modules.module as _nn_module  # the global hook registries nn.Module.__call__ reads
 from torch import Tensor, nn
 
+from adaattn.attention.backends import BACKENDS, Run, Signature, attention_probs
 from adaattn.attention.hardware import HardwareCapabilities
-from adaattn.attention.kernel_manager import BACKENDS, AttentionKernelManager, Run, Signature, attention_probs
+from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.precision import PRECISION_MODES, PrecisionPolicy
 from adaattn.attention.rank import LOW_RANK_METHODS, LowRank, Speed, choose_rank, low_rank_attention
 

@@ -14,7 +14,7 @@ The guide's "FlashAttention-first strategy with fallback" is the kernel manager'
 backend it measured fastest on this machine for the inputs (flash kernels where they win, not
 first by rule), and falls back down its ranking when one fails, the reason logged once. So
 ``enable_flash`` enables the manager, and "flash" in the statistics is a backend that always runs a
-fused kernel without the (L, S) score matrix (``kernel_manager.FLASH_LIKE``: flash-attn, SDPA's flash,
+fused kernel without the (L, S) score matrix (``backends.FLASH_LIKE``: flash-attn, SDPA's flash,
 cuDNN and efficient kernels forced, FlexAttention, xFormers); SDPA's own dispatch is not counted, as
 the manager does not see which kernel it picks. The guide's layer is "full attention", so the
 config's ``rank_mode`` is "full" (AdaAttention's own default is "auto").
@@ -29,10 +29,11 @@ import math
 from torch import Tensor
 
 from adaattn.attention.ada import AdaAttention, check_dropout, check_policy, sdpa_path, shared_kernel_manager
+from adaattn.attention.backends import BACKENDS, FLASH_LIKE
 from adaattn.attention.chunked import check_mask, check_qkv
 from adaattn.attention.chunked import chunked_attention as memory_efficient_attention
 from adaattn.attention.hardware import CUDAManager
-from adaattn.attention.kernel_manager import BACKENDS, FLASH_LIKE, OBJECTIVES, AttentionKernelManager
+from adaattn.attention.kernel_manager import OBJECTIVES, AttentionKernelManager
 
 __all__ = ["AdaptiveFlashAttention", "CUDAManager", "FlashAttentionConfig", "fused_scaled_dot_product_attention",
            "memory_efficient_attention"]

@@ -7,7 +7,7 @@ those inputs, once, on the inputs of the first call, and keeps the ranking (in m
 file written under another torch version, measuring method or objective is ignored). A training signature
 (inputs that need gradients) is timed on forward and backward, an inference one on the forward.
 
-What is timed (``_timed``): the host time to issue a call; on a GPU the GPU time of its work,
+What is timed (``timing.timed``): the host time to issue a call; on a GPU the GPU time of its work,
 taken with the GPU held by a sleep kernel while the host issues the timed calls, so that host
 gaps do not count as GPU time; and the time per call of calls made back to back (CUDA events on a
 GPU: the host's time where the call is host-bound, the GPU's where it is GPU-bound; on a CPU, the
@@ -42,21 +42,15 @@ SDPA without forcing one of its backends (``_sdpa_forced``), then to the faster 
 the next one of the ranking; the reason is logged once per (backend, reason) and counted in
 ``get_statistics()``.
 
-Backends (q (B, Hq, L, D), k and v (B, Hkv, S, D); GQA without copies where the backend allows):
-flash-attn (if installed), each SDPA backend forced (flash, efficient, cuDNN, math), SDPA's own
-choice, FlexAttention (CUDA only: each new shape compiles), xFormers, chunked, and math
-(matmul-softmax-matmul). Mask kinds: "none", "causal", "mask" (a bool or additive mask, e.g.
-padding); a backend that cannot express a mask kind is not a candidate for it.
+Backends and signatures: ``backends.py``; how one call is timed: ``timing.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -66,216 +60,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from adaattn.attention.chunked import chunked_attention
-from adaattn.attention.hardware import HardwareCapabilities
-from adaattn.attention.paired import median_ci, paired_times, round_ratios
-from adaattn.attention.providers import PROVIDERS
-from adaattn.layers.attention import _expand_kv
+from adaattn.attention import timing
+from adaattn.attention.backends import BACKENDS, FLASH_LIKE, Run, Signature
+from adaattn.attention.paired import paired_times
+from adaattn.attention.timing import Timing
 
 log = logging.getLogger(__name__)
-
-MASK_KINDS = ("none", "causal", "mask")
-HALF = (torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class Signature:
-    device: str  # "cpu" | "cuda"
-    hardware: str  # the device's name: a persisted ranking applies to the machine that measured it
-    dtype: str
-    batch: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    q_len: int  # rounded up to a power of two (the bucket)
-    k_len: int
-    mask: str  # one of MASK_KINDS
-    grad: bool
-    square: bool  # the exact query and key lengths are equal (causal alignment differs between libraries otherwise)
-
-    def key(self) -> str:
-        return self._key
-
-    @functools.cached_property
-    def _key(self) -> str:  # once per signature: Signature.of returns cached instances
-        return "|".join(str(v) for v in (self.device, self.hardware, self.dtype, self.batch, self.heads, self.kv_heads, self.head_dim,
-                                          self.q_len, self.k_len, self.mask, int(self.grad), int(self.square)))
-
-    @staticmethod
-    def of(q: Tensor, k: Tensor, mask: str) -> Signature:
-        if mask not in MASK_KINDS:
-            raise ValueError(f"mask kind {mask!r} is not one of: {', '.join(MASK_KINDS)}")
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        return _signature(q.device, q.dtype, tuple(q.shape), tuple(k.shape), mask, grad)
-
-
-@functools.lru_cache(maxsize=1024)
-def _signature(device: torch.device, dtype: torch.dtype, q_shape: tuple[int, ...], k_shape: tuple[int, ...], mask: str,
-               grad: bool) -> Signature:
-    """Built once per distinct call (a hot path: every AdaAttention call needs one)."""
-    return Signature(device.type, HardwareCapabilities.detect(device).name, str(dtype).removeprefix("torch."),
-                     q_shape[0], q_shape[1], k_shape[1], q_shape[3], _bucket(q_shape[2]), _bucket(k_shape[2]), mask,
-                     grad, q_shape[2] == k_shape[2])
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-# A backend: run(q, k, v, attn_mask, is_causal, scale) and why_not(signature) -> reason or None.
-Run = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float | None], Tensor]
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    run: Run
-    why_not: Callable[[Signature], str | None]
-    wrapped: bool = False  # its call sets SDPA's backend flags around SDPA (a forced SDPA backend): more host time
-    keeps_scores: bool = False  # it holds the (L, S) score matrix in memory: its peak grows with L x S
-
-
-def _sdpa(q, k, v, attn_mask, is_causal, scale):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-# SDPA's backend flags, as ``sdpa_kernel`` names them (torch._C._get_<name>_sdp_enabled, _set_sdp_use_<name>)
-SDP_FLAGS = tuple(n for n in ("flash", "mem_efficient", "cudnn", "math", "overrideable")
-                  if hasattr(torch._C, f"_get_{n}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{n}"))
-_FLAG_OF = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "mem_efficient", "CUDNN_ATTENTION": "cudnn",
-            "MATH": "math"}
-
-
-def _sdpa_forced(backend: str) -> Run:
-    """SDPA with only ``backend`` enabled, as under ``sdpa_kernel([backend])`` (SDPA raises rather than
-    fall back to another backend): the call sets SDPA's backend flags that differ and restores them
-    after. ``sdpa_kernel`` itself, a context manager that reads and writes every flag through enum and
-    string lookups, took 40 us of host time per enter and exit on a lent H100's host (torch 2.11) and
-    10.3 us on the development CPU (torch 2.13), over a host-bound call's whole 3% margin; setting the
-    flags, 0.75 us there (scratch timings). Like ``sdpa_kernel`` the flags are
-    global: another thread's SDPA call made meanwhile sees them. Under torch.compile the call enters
-    ``sdpa_kernel``, which dynamo traces."""
-    flags = tuple((getattr(torch._C, f"_get_{n}_sdp_enabled"), getattr(torch._C, f"_set_sdp_use_{n}"),
-                   n == _FLAG_OF[backend]) for n in SDP_FLAGS)
-
-    def run(q, k, v, attn_mask, is_causal, scale):
-        if _compiling():
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel([getattr(SDPBackend, backend)]):
-                return _sdpa(q, k, v, attn_mask, is_causal, scale)
-        changed = [(put, on) for get, put, on in flags if get() is not on]
-        for put, on in changed:
-            put(on)
-        try:
-            return _sdpa(q, k, v, attn_mask, is_causal, scale)
-        finally:
-            for put, on in changed:
-                put(not on)
-
-    return run
-
-
-_compiling = torch.compiler.is_compiling
-
-
-def attention_probs(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                    scale: float | None) -> Tensor:
-    """softmax(q k^T * scale + mask) in fp32, (B, Hq, L, S); SDPA's mask conventions, GQA by
-    expanding kv heads; a row with no allowed key is zeros."""
-    k = _expand_kv(k, q.shape[1] // k.shape[1])
-    scores = (q @ k.transpose(-2, -1)).float() * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    if is_causal:
-        attn_mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril_()
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
-            else scores + attn_mask.float()
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0)
-
-
-def _math(q, k, v, attn_mask, is_causal, scale):
-    """matmul, softmax (fp32), matmul: any device, dtype and mask."""
-    return attention_probs(q, k, attn_mask, is_causal, scale).to(v.dtype) @ _expand_kv(v, q.shape[1] // v.shape[1])
-
-
-def _chunked(q, k, v, attn_mask, is_causal, scale):
-    return chunked_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
-
-
-def _flash_attn(q, k, v, attn_mask, is_causal, scale):
-    from flash_attn import flash_attn_func
-
-    return flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=is_causal, softmax_scale=scale).transpose(1, 2)
-
-
-def _xformers(q, k, v, attn_mask, is_causal, scale):
-    import xformers.ops as xops
-
-    g = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, g), _expand_kv(v, g)
-    bias = xops.LowerTriangularMask() if is_causal else None
-    return xops.memory_efficient_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_bias=bias,
-                                           scale=scale).transpose(1, 2)
-
-
-@functools.lru_cache(maxsize=64)
-def _flex_block(q_len: int, k_len: int, causal: bool, device: str):
-    """Built once per shape (with block_mask=None flex_attention builds a full mask inside every call)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from adaattn.attention.providers import _causal_mask, _full_mask
-
-    return create_block_mask(_causal_mask if causal else _full_mask, None, None, q_len, k_len, device=device)
-
-
-def _flex(q, k, v, attn_mask, is_causal, scale):
-    from adaattn.attention.providers import _flex_compiled
-
-    block = _flex_block(q.shape[2], k.shape[2], is_causal, str(q.device))
-    return _flex_compiled()(q, k, v, block_mask=block, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _needs(*, cuda: bool = False, half: bool = False, half_on_cuda: bool = False, masks: tuple[str, ...] = MASK_KINDS, max_head_dim: int = 0,
-           provider: str | None = None, equal_lengths: bool = False) -> Callable[[Signature], str | None]:
-    def why_not(sig: Signature) -> str | None:
-        if cuda and sig.device != "cuda":
-            return "needs CUDA tensors"
-        if (half or (half_on_cuda and sig.device == "cuda")) and sig.dtype not in ("float16", "bfloat16"):
-            return f"needs fp16 or bf16, got {sig.dtype}"
-        if sig.mask not in masks:
-            return f"cannot take mask kind {sig.mask!r} (takes {', '.join(masks)})"
-        if max_head_dim and sig.head_dim > max_head_dim:
-            return f"head dim {sig.head_dim} > {max_head_dim}"
-        if equal_lengths and sig.mask == "causal" and not sig.square:
-            return "causal with different query and key lengths aligns differently from SDPA"
-        if provider is not None:
-            return PROVIDERS[provider].unavailable("cuda")
-        return None
-
-    return why_not
-
-
-BACKENDS: dict[str, Backend] = {b.name: b for b in [
-    Backend("flash_attn", _flash_attn, _needs(cuda=True, half=True, masks=("none", "causal"), max_head_dim=256,
-                                              provider="flash_attn", equal_lengths=True)),
-    Backend("sdpa_flash", _sdpa_forced("FLASH_ATTENTION"), _needs(masks=("none", "causal"), max_head_dim=256,
-                                                                  half_on_cuda=True), wrapped=True),
-    Backend("sdpa_cudnn", _sdpa_forced("CUDNN_ATTENTION"), _needs(cuda=True, half=True, masks=("none", "causal"),
-                                                                  max_head_dim=128), wrapped=True),
-    Backend("sdpa_efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _needs(cuda=True), wrapped=True),
-    Backend("sdpa", _sdpa, _needs()),
-    Backend("sdpa_math", _sdpa_forced("MATH"), _needs(), wrapped=True, keeps_scores=True),
-    Backend("flex", _flex, _needs(cuda=True, masks=("none", "causal"), provider="flex")),
-    Backend("xformers", _xformers, _needs(cuda=True, masks=("none", "causal"), provider="xformers_cutlass")),
-    Backend("chunked", _chunked, _needs()),
-    Backend("math", _math, _needs(), keeps_scores=True),
-]}
-FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xformers", "sdpa_efficient"})
-
 
 HOST_SLACK = 2.0  # a GPU backend is host-heavy when its issue time exceeds its GPU time and this x the leanest's
 # Times within 2% are a tie (the ranking's time: per call, or GPU time): SDPA's own dispatch and the
@@ -301,7 +93,6 @@ WRAPPED = frozenset(b.name for b in BACKENDS.values() if b.wrapped)
 # forward peaked at 7.50 MiB through forced math and 2.75 MiB through SDPA's flash kernel
 SCORES_KEPT = frozenset(b.name for b in BACKENDS.values() if b.keeps_scores)
 ROUNDS = 5  # the backends' turns per signature, interleaved
-BURSTS = 3  # GPU: bursts of calls back to back per turn, for the time per call (the fastest counts)
 CONTENDER_ROUNDS, CONTENDER = 2, 3.0  # after this many rounds, a backend this much slower than the fastest stops
 # objective "call": the backends within CALL_SPREAD x the fastest time per call (its fastest burst) then take
 # paired rounds (``_paired``): at least, at most CALL_ROUNDS, about call_budget_ms of calls, a look every
@@ -320,18 +111,6 @@ LOOKS_S = (10.0, 60.0)
 LOOK_EVERY = 256  # calls: a replay of a choice with a look still to come asks the manager again this often
 METHOD = 10  # how rankings are made (10: paired rounds, looked at again, ties by memory); a cache made otherwise is not trusted
 OBJECTIVES = ("call", "gpu")  # what a ranking is by: time per call, or GPU time
-
-
-@dataclass(frozen=True)
-class Timing:
-    """One backend's time per call on one signature (ms)."""
-
-    host_ms: float  # host time to issue the call (on a CPU, the call)
-    gpu_ms: float | None  # GPU time of the call's work (None on a CPU)
-    # time per call of calls made back to back: with ``rounds``, the typical turn of the paired rounds
-    # (``paired_times``); without, the fastest burst (on a CPU, host_ms)
-    call_ms: float
-    rounds: int = 0  # paired rounds it took (objective "call": ``AttentionKernelManager._paired``)
 
 
 @dataclass(frozen=True)
@@ -386,129 +165,6 @@ def rank_timings(times: dict[str, Timing], objective: str = "call", host_slack: 
         out += sorted(tied, key=lambda n: (n in scores_kept, n in wrapped, leaner(n)))
         rest = [n for n in rest if n not in tied]
     return out
-
-
-HOLD_TRIES = 4  # sleeps tried, each twice the last, before a GPU time is taken as it came
-
-
-@functools.cache
-def _sleep_cycles_per_ms(index: int) -> float:
-    """Clock cycles of ``torch.cuda._sleep`` per ms on this GPU (calibrated once per process)."""
-    with torch.cuda.device(index):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(20_000_000)
-        end.record()
-        end.synchronize()
-        return 20_000_000 / max(start.elapsed_time(end), 1e-3)
-
-
-def _timed(call: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> Timing:
-    """Host time to issue one ``call`` (the fastest of ``repeats`` calls: the host's noise only adds
-    time), on a GPU the GPU time of its work (the mean of ``repeats`` calls), and the time per call of
-    ``repeats`` calls back to back, in ms.
-
-    On a GPU a sleep kernel holds the stream while the host issues the timed calls, so the events
-    around them measure GPU work, not host gaps; the sleep is sized from one issue of the call and
-    doubled (up to ``HOLD_TRIES`` tries) while it was over before the host had issued the last call
-    (the event after it had completed). Why that test and not the host's time against the sleep's
-    length: the length in ms follows the GPU's clock, which ``_sleep_cycles_per_ms`` reads once. On
-    a lent H100 (scratch run, module calls with backward at B=1 S=512-1024) a sleep sized for 8.8 ms
-    held the stream for 4.7 ms, and the host's 5.2-5.3 ms of calls outlasted it; in the scaling run at
-    code f4b8b2d7 the manager that ranks by GPU time put forced efficient attention first at B=1
-    S=1024 forward and backward, whose kernels took 2.0x SDPA's in the study's trace. Time per call, as the scaling
-    study's side-by-side turns take it: the queue drained, one call not counted (its host time runs on
-    an idle GPU), then ``repeats`` calls between two events: the host's time where the call is
-    host-bound, the GPU's where it is GPU-bound; the fastest of ``BURSTS`` such bursts."""
-    for _ in range(warmup):
-        call()
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        call()
-        issue_ms = (time.perf_counter() - t0) * 1e3  # the GPU was idle: host time (or the whole call if it syncs)
-        torch.cuda.synchronize(device)
-        sleep_ms = 2 * repeats * issue_ms + 0.5
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(HOLD_TRIES if cuda else 1):
-        if cuda:
-            torch.cuda._sleep(int(sleep_ms * _sleep_cycles_per_ms(device.index or 0)))
-            start.record()
-        host = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            call()
-            host.append((time.perf_counter() - t0) * 1e3)
-        if not cuda:
-            return Timing(min(host), None, min(host))
-        held = not start.query()  # the sleep still held the stream when the last call was issued
-        end.record()
-        end.synchronize()
-        if held:
-            break
-        sleep_ms *= 2
-    gpu_ms = start.elapsed_time(end) / repeats
-    return Timing(min(host), gpu_ms, min(_turn(call, device, repeats) for _ in range(BURSTS)))
-
-
-def _turn(call: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Time per call (ms) of one turn: on a GPU, the queue drained, one call not counted (its host time
-    runs on an idle GPU), then ``repeats`` calls back to back between two CUDA events (as the scaling
-    study's side-by-side turns); on a CPU, one call."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        call()
-        return (time.perf_counter() - t0) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(device)
-    call()
-    start.record()
-    for _ in range(repeats):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
-def _workload(run: Run, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
-              scale: float | None, grad: bool) -> Callable[[], object]:
-    """One call as the signature makes it: the forward, or forward and backward for a training signature
-    (gradients of the inputs that need them, of a fixed output gradient; nothing accumulates)."""
-    if not grad:
-        def forward():
-            with torch.no_grad():
-                return run(q, k, v, attn_mask, is_causal, scale)
-
-        return forward
-    leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-    wrt = [t for t in leaves if t.requires_grad]
-    grad_out: list[Tensor] = []
-
-    def forward_backward():
-        with torch.enable_grad():
-            out = run(*leaves, attn_mask, is_causal, scale)
-            if not grad_out:
-                grad_out.append(torch.randn_like(out))
-            return torch.autograd.grad(out, wrt, grad_out[0])
-
-    return forward_backward
-
-
-def _combined(turns: list[Timing]) -> Timing:
-    """One backend's timing from its turns: host time and time per call the fastest turn's (the host's
-    noise only adds time), GPU time the median."""
-    gpu = None if turns[0].gpu_ms is None else statistics.median(t.gpu_ms for t in turns)
-    return Timing(min(t.host_ms for t in turns), gpu, min(t.call_ms for t in turns))
-
-
-def _settled(samples: dict[str, list[float]]) -> bool:
-    """The fastest of the paired rounds (``paired_times``) is faster than every other, each by the
-    ``CI_LEVEL`` confidence interval of the median of their round-by-round ratios."""
-    typical = paired_times(samples)
-    lead = min(typical, key=typical.get)
-    return all(median_ci(round_ratios(samples[n], samples[lead]))[0] > 1 for n in samples if n != lead)
 
 
 def _reason(err: BaseException) -> str:
@@ -706,18 +362,18 @@ class AttentionKernelManager:
         names = list(calls)
         for r in range(ROUNDS):
             if r == CONTENDER_ROUNDS and turns:
-                lead = {n: self._time_of(_combined(ts)) for n, ts in turns.items()}
+                lead = {n: self._time_of(timing.combined(ts)) for n, ts in turns.items()}
                 names = [n for n in names if n in lead and lead[n] <= CONTENDER * min(lead.values())]
             first = r % len(names) if names else 0
             for name in names[first:] + names[:first]:
                 if name not in turns:
                     continue
                 try:
-                    turns[name].append(_timed(calls[name], device, self.warmup if r == 0 else 0, self.repeats))
+                    turns[name].append(timing.timed(calls[name], device, self.warmup if r == 0 else 0, self.repeats))
                 except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
                     self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
                     del turns[name]
-        times = {name: _combined(ts) for name, ts in turns.items()}
+        times = {name: timing.combined(ts) for name, ts in turns.items()}
         if self.objective == "call" and self.call_budget_ms > 0:
             times = self._paired(calls, times, device)
         return times
@@ -733,7 +389,7 @@ class AttentionKernelManager:
     def _calls(self, sig, q, k, v, attn_mask, is_causal, scale, call=None) -> dict[str, Callable[[], object]]:
         """The call to time per backend that can run ``sig``: the caller's (``call(run)``) or the op alone."""
         return {name: call(BACKENDS[name].run) if call is not None else
-                _workload(BACKENDS[name].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
+                timing.workload(BACKENDS[name].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
                 for name, why in self.candidates(sig) if why is None}
 
     def _schedule(self, key: str) -> None:
@@ -779,7 +435,7 @@ class AttentionKernelManager:
     def _paired(self, calls: dict[str, Callable[[], object]], times: dict[str, Timing],
                 device: torch.device) -> dict[str, Timing]:
         """Objective "call": the backends within ``CALL_SPREAD`` x the fastest time per call (its fastest
-        burst) take paired rounds, one turn each per round (``_turn``), the order rotated; their time per
+        burst) take paired rounds, one turn each per round (``timing.turn``), the order rotated; their time per
         call becomes the typical turn (``paired_times``), ranked before the others. A fastest burst says
         little of a host-bound call's typical time. On a lent H100's host (scratch run at code 18844d3c, E=512
         bf16, forward and backward, five shapes from B=1 S=1024 to B=16 S=1024, each call made three ways:
@@ -813,12 +469,12 @@ class AttentionKernelManager:
             first = r % len(names)
             for name in names[first:] + names[:first]:
                 try:
-                    samples[name].append(_turn(calls[name], device, self.repeats))
+                    samples[name].append(timing.turn(calls[name], device, self.repeats))
                 except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
                     self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
                     del samples[name]
             names = [n for n in names if n in samples]
-            if len(names) < 2 or (r + 1 >= CALL_ROUNDS[0] and (r + 1) % CALL_BATCH == 0 and _settled(samples)):
+            if len(names) < 2 or (r + 1 >= CALL_ROUNDS[0] and (r + 1) % CALL_BATCH == 0 and timing.settled(samples)):
                 break
         if not samples:
             return {}, 0

@@ -635,7 +635,7 @@ def _solve_batched(ws: Tensor, *, B: int, Hq: int, Hkv: int, rank: int, D: int, 
     batched fp32 matmuls over all heads (the r x r iterates no longer fit one program)."""
     from adaattn.attention.rank import _pinv
 
-    group, n_rows = Hq // Hkv, Hq // Hkv * rank
+    n_rows = Hq // Hkv * rank
     n_part = B * Hkv * splits * n_rows
     ql = ws[:B * Hq * rank * D].view(B, Hkv, n_rows, D)  # a kv head's query heads' landmarks, stacked
     kl = ws[off_kl:off_kl + B * Hkv * rank * D].view(B, Hkv, rank, D)
