@@ -602,3 +602,54 @@ def test_goal_is_decided_against_the_backends_still_in_the_rounds():
     assert g["above 1.03"] == 0 and g["undecided"] == 0
     (g,) = _scaling_goal_rows(runs.assign(reason=""))  # both counted: the highest bounds, 1.050 spans 1.03
     assert g["above 1.03"] == 0 and g["undecided"] == 1
+
+
+def test_same_kernel_spread_reads_the_sweeps_drift_between_sdpa_and_its_backend_forced():
+    """SDPA's own dispatch and a backend it dispatches to, forced, that ran the same kernels do the same work:
+    the furthest apart of their sweep times (slowest over fastest) is the host's drift at that shape. Another
+    kernel, a failed row, a module provider, another backend than SDPA's or a shape without SDPA's own dispatch
+    do not count."""
+    from adaattn_experiments.ada_modules_report import same_kernel_spread
+
+    def row(case, provider, ms, kernel, status="ok", target="h100"):
+        return [{"target": target, "case_id": case, "mode": "fwd", "provider": provider, "status": status,
+                 "metric": "time_ms", "value": ms, "kernel": kernel}]
+
+    cudnn, flash = "cudnn_fprop | nvjet_a | nvjet_b", "flash_fwd | nvjet_a | nvjet_b"
+    runs = pd.DataFrame(
+        row("small", "direct:sdpa", 0.16, cudnn) + row("small", "direct:sdpa_cudnn", 0.04, cudnn)
+        + row("small", "direct:sdpa_flash", 0.02, flash) + row("small", "adaattn_noopt", 0.50, cudnn)
+        + row("small", "direct:sdpa_efficient", 0.01, cudnn, status="error")
+        + row("other", "direct:sdpa", 0.2, cudnn) + row("other", "direct:chunked", 0.1, cudnn)
+        + row("none", "direct:sdpa_cudnn", 0.2, cudnn) + row("none", "direct:sdpa_flash", 0.1, cudnn)
+        + row("cpu", "direct:sdpa", 10.7, "aten::flash_cpu", target="cpu")
+        + row("cpu", "direct:sdpa_flash", 10.0, "aten::flash_cpu", target="cpu")
+        + row("cpu", "direct:math", 5.0, "aten::bmm", target="cpu"))
+    spread = same_kernel_spread(runs)
+    assert spread == {("h100", "small", "fwd"): "4.00x (sdpa_cudnn 0.04, sdpa 0.16)",
+                      ("cpu", "cpu", "fwd"): "1.07x (sdpa_flash 10, sdpa 10.7)"}
+
+
+def test_g2_t2_speed_is_read_on_time_per_call_and_kernel_time():
+    """G2-T2's speed line (standard over adaattn, 2-4x above 1024 tokens): one verdict per basis; where the
+    sweep's time per call and the kernel time read different verdicts the claim is inconclusive, and a target
+    without kernel times (a CPU) is read on time per call alone."""
+    from adaattn_experiments.ada_modules_report import _g2_t2
+
+    def pivot(target, hw, speeds):  # seq_len -> standard / adaattn
+        return pd.DataFrame([{"target": target, "hardware": hw, "case_id": f"s{s}", "sweep": "seq", "batch": 1,
+                              "seq_len": s, "causal": False, "mode": "fwd", "standard": x, "adaattn": 1.0}
+                             for s, x in speeds.items()])
+
+    t = pd.concat([pivot("h100", "H100", {2048: 2.5, 4096: 3.0}), pivot("h200", "H200", {2048: 2.5, 8192: 5.0}),
+                   pivot("cpu", "EPYC", {512: 1.2, 2048: 3.5})])
+    kern = pd.concat([pivot("h100", "H100", {2048: 1.8, 4096: 3.0}), pivot("h200", "H200", {2048: 2.2, 8192: 6.0})])
+    mem = t.assign(standard=2.0, adaattn=1.0)
+    speed = {v.hardware: v for v in _g2_t2(t, mem, kern).verdicts if v.claim.startswith("speed")}
+    assert speed["H100"].verdict == "inconclusive"
+    assert speed["H100"].reason == "the two times read different verdicts: time per call holds, kernel time does not hold"
+    assert speed["H100"].measured == ("2.50-3.00x by time per call (standard / adaattn, forward, S = 2048, 4096); "
+                                      "1.80-3.00x by kernel time (standard / adaattn, forward, S = 2048, 4096)")
+    assert speed["H200"].verdict == "does not hold" and speed["H200"].reason == ""
+    assert speed["EPYC"].verdict == "holds" and speed["EPYC"].measured == (
+        "3.50-3.50x by time per call (standard / adaattn, forward, S = 2048)")
