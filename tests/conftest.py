@@ -17,6 +17,36 @@ def repo() -> Path:
     return REPO
 
 
+class Clock:
+    """The host's clock as the timing code reads it (``time.perf_counter``), simulated: ``sleep`` moves it and
+    each read moves it 1 ns (a real clock never reads the same twice around a call), so a test's calls take
+    the time they say, whatever the machine's load (on CI's two cores real sleeps stretched enough to fail
+    the tests that timed them)."""
+
+    def __init__(self):
+        self.s = 0.0
+
+    def perf_counter(self) -> float:
+        self.s += 1e-9
+        return self.s
+
+    def sleep(self, s: float) -> None:
+        self.s += s
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    """A ``Clock`` that the kernel manager's timing (``adaattn.attention.timing``) and the side-by-side
+    rounds (``adaattn_experiments.side_by_side``) read instead of the host's."""
+    import adaattn.attention.timing as timing
+    import adaattn_experiments.side_by_side as side_by_side
+
+    c = Clock()
+    monkeypatch.setattr(timing, "time", c)
+    monkeypatch.setattr(side_by_side, "time", c)
+    return c
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from adaattn.attention.timing import Timing
 from test_ada_attention import _qkv, _sdpa_ref
 
 E, H = 48, 4
+
 
 def test_every_cpu_backend_is_correct_where_it_claims_to_run():
     q, k, v = _qkv()
@@ -174,27 +176,26 @@ def test_forced_sdpa_backend_runs_that_backend_and_restores_the_flags():
     assert {n: g() for n, g in get.items()} == before
 
 
-def _sleeping(name: str, delay) -> Backend:
-    """A backend that sleeps ``delay()`` seconds, then runs math."""
+def _sleeping(clock, name: str, delay) -> Backend:
+    """A backend that sleeps ``delay()`` seconds on ``clock``, then runs math."""
     def run(q, k, v, m, c, s):
-        time.sleep(delay())
+        clock.sleep(delay())
         return BACKENDS["math"].run(q, k, v, m, c, s)
 
     return Backend(name, run, BACKENDS["math"].why_not)
 
 
-def test_measurement_rounds_keep_a_slow_spell_off_one_backend(monkeypatch):
+def test_measurement_rounds_keep_a_slow_spell_off_one_backend(monkeypatch, clock):
     """The backends take turns in rounds: a slow spell during one backend's first turn (its first calls
-    take 15 ms, then 0.5 ms) does not make it look slower than a steady 4 ms backend (4 ms, not 3: a wider
-    margin against sleep jitter; a full-suite run on a clean clone once ranked a 3 ms one first)."""
+    take 15 ms, then 0.5 ms) does not make it look slower than a steady 4 ms backend."""
     seen = {"n": 0}
 
     def spell() -> float:
         seen["n"] += 1
         return 0.015 if seen["n"] <= 6 else 0.0005  # the warm-up and the first turn's 5 calls
 
-    monkeypatch.setitem(BACKENDS, "spell", _sleeping("spell", spell))
-    monkeypatch.setitem(BACKENDS, "steady", _sleeping("steady", lambda: 0.004))
+    monkeypatch.setitem(BACKENDS, "spell", _sleeping(clock, "spell", spell))
+    monkeypatch.setitem(BACKENDS, "steady", _sleeping(clock, "steady", lambda: 0.004))
     km = AttentionKernelManager(backends=["spell", "steady"])
     q, k, v = _qkv()
     with torch.no_grad():
@@ -204,7 +205,7 @@ def test_measurement_rounds_keep_a_slow_spell_off_one_backend(monkeypatch):
     assert seen["n"] == 1 + ROUNDS * km.repeats + 1  # one warm-up, its turns, the call itself
 
 
-def test_measurement_stops_timing_a_backend_that_cannot_come_first(monkeypatch):
+def test_measurement_stops_timing_a_backend_that_cannot_come_first(monkeypatch, clock):
     """After ``CONTENDER_ROUNDS`` rounds a backend more than ``CONTENDER`` times slower than the fastest
     takes no more turns (its calls are most of a measurement at long sequences); it is still ranked."""
     from adaattn.attention.kernel_manager import CONTENDER, CONTENDER_ROUNDS
@@ -215,8 +216,8 @@ def test_measurement_stops_timing_a_backend_that_cannot_come_first(monkeypatch):
         seen["slow"] += 1
         return 0.002 * (CONTENDER + 1)
 
-    monkeypatch.setitem(BACKENDS, "slow", _sleeping("slow", slow))
-    monkeypatch.setitem(BACKENDS, "fast", _sleeping("fast", lambda: 0.002))
+    monkeypatch.setitem(BACKENDS, "slow", _sleeping(clock, "slow", slow))
+    monkeypatch.setitem(BACKENDS, "fast", _sleeping(clock, "fast", lambda: 0.002))
     km = AttentionKernelManager(backends=["slow", "fast"])
     q, k, v = _qkv()
     with torch.no_grad():
@@ -225,7 +226,7 @@ def test_measurement_stops_timing_a_backend_that_cannot_come_first(monkeypatch):
     assert CONTENDER_ROUNDS < ROUNDS and seen["slow"] == 1 + CONTENDER_ROUNDS * km.repeats  # warm-up, its turns
 
 
-def test_time_per_call_is_the_typical_turn_not_the_fastest(monkeypatch):
+def test_time_per_call_is_the_typical_turn_not_the_fastest(monkeypatch, clock):
     """Ranked by time per call, a backend whose calls are mostly slow goes after a steady one, though its
     fastest calls are the fastest of all (a fastest burst is where the host's noise hides at a host-bound
     shape): the backends within ``CALL_SPREAD`` of the fastest take paired rounds and are ranked by their
@@ -238,8 +239,8 @@ def test_time_per_call_is_the_typical_turn_not_the_fastest(monkeypatch):
         seen["n"] += 1
         return 0.0015 if seen["n"] % 3 == 0 else 0.004
 
-    monkeypatch.setitem(BACKENDS, "lucky", _sleeping("lucky", lucky))
-    monkeypatch.setitem(BACKENDS, "steady", _sleeping("steady", lambda: 0.0025))
+    monkeypatch.setitem(BACKENDS, "lucky", _sleeping(clock, "lucky", lucky))
+    monkeypatch.setitem(BACKENDS, "steady", _sleeping(clock, "steady", lambda: 0.0025))
     q, k, v = _qkv()
     key = Signature.of(q, k, "none").key()
     with torch.no_grad():
@@ -252,7 +253,7 @@ def test_time_per_call_is_the_typical_turn_not_the_fastest(monkeypatch):
         assert fastest(q, k, v)[1] == "lucky" and not any(t.rounds for t in fastest.timings[key].values())
 
 
-def test_paired_rounds_stop_at_a_confident_lead_or_the_budget(monkeypatch):
+def test_paired_rounds_stop_at_a_confident_lead_or_the_budget(monkeypatch, clock):
     """Paired rounds stop at the first look (``CALL_ROUNDS[0]`` rounds) when one backend is faster than
     every other in every round; with a tie they go on until the budget (here none: the least rounds) or
     ``CALL_ROUNDS[1]``. A backend that fails in them is not a candidate, its reason noted. Times per call are
@@ -268,8 +269,7 @@ def test_paired_rounds_stop_at_a_confident_lead_or_the_budget(monkeypatch):
             ran.append(name)
             if name == "c" and paired["on"]:
                 raise RuntimeError("fails in the paired rounds")
-            if name == "far":
-                time.sleep(0.003)  # over CALL_SPREAD x the others in the first rounds
+            clock.sleep(0.003 if name == "far" else 0.0005)  # far: over CALL_SPREAD x the others in the first rounds
             return BACKENDS["math"].run(q, k, v, m, c, s)
 
         return Backend(name, run, BACKENDS["math"].why_not)
@@ -302,23 +302,23 @@ def test_paired_rounds_stop_at_a_confident_lead_or_the_budget(monkeypatch):
             AttentionKernelManager(call_budget_ms=bad)
 
 
-def test_a_ranking_is_looked_at_again_and_goes_by_the_worst_ratio(monkeypatch, tmp_path):
+def test_a_ranking_is_looked_at_again_and_goes_by_the_worst_ratio(monkeypatch, tmp_path, clock):
     """Objective "call": the paired rounds' contenders take them again at the signature's first call each gap of
     ``looks_s`` after the last look, and rank by their worst ratio to the fastest over the looks: a backend fastest in one
     spell of the host and 20% behind in the next goes after one 5% behind in the first. A module's replay asks
     the manager every ``LOOK_EVERY`` calls while a look is to come (no look before it is due), runs the new
     first backend after it, and asks no more after the last look; while ``hold_looks`` a due look waits. The looks persist with the ranking; a cache's
     looks still to come are due from its load."""
-    import types
 
     import adaattn.attention.kernel_manager as kmod
     import adaattn.attention.timing as timing
 
-    typical, ran, clock = {"a": 1.0, "b": 1.05}, [], {"s": 1000.0}
+    typical, ran, wall = {"a": 1.0, "b": 1.05}, [], {"s": 1000.0}  # wall: the looks' clock (time.monotonic)
 
     def backend(name: str) -> Backend:
         def run(q, k, v, m, c, s):
             ran.append(name)
+            clock.sleep(0.001)  # the first timing: a tie, whatever the host's load (the paired turns are ``typical``)
             return BACKENDS["math"].run(q, k, v, m, c, s)
 
         return Backend(name, run, BACKENDS["math"].why_not)
@@ -330,7 +330,7 @@ def test_a_ranking_is_looked_at_again_and_goes_by_the_worst_ratio(monkeypatch, t
     for name in typical:
         monkeypatch.setitem(BACKENDS, name, backend(name))
     monkeypatch.setattr(timing, "turn", turn)
-    monkeypatch.setattr(kmod, "time", types.SimpleNamespace(perf_counter=time.perf_counter, monotonic=lambda: clock["s"]))
+    monkeypatch.setattr(kmod, "time", types.SimpleNamespace(monotonic=lambda: wall["s"]))
     path = tmp_path / "choices.json"
     km = AttentionKernelManager(backends=["a", "b"], cache_path=path, looks_s=(10.0, 60.0))
     ada = AdaAttention(E, H, kernel_manager=km, precision_mode="fp32", rank_mode="full")
@@ -342,11 +342,11 @@ def test_a_ranking_is_looked_at_again_and_goes_by_the_worst_ratio(monkeypatch, t
         assert [(look.at_s, look.ms) for look in km.looks[key]] == [(0.0, pytest.approx(typical))]
         saved = json.loads(path.read_text())["looks"][key]
         assert len(saved) == 1 and saved[0][1] == pytest.approx(typical)
-        clock["s"] += 9.0
+        wall["s"] += 9.0
         for _ in range(2 * kmod.LOOK_EVERY):  # the replay asks twice; the look is not due yet
             ada(x, x, x)
         assert len(km.looks[key]) == 1 and ada.get_statistics()["calls"] == {"a": 1 + 2 * kmod.LOOK_EVERY}
-        clock["s"] += 1.0
+        wall["s"] += 1.0
         typical.update(a=1.2, b=1.0)
         km.hold_looks = True  # a benchmark's timed calls: the look waits
         for _ in range(kmod.LOOK_EVERY + 1):
@@ -361,12 +361,12 @@ def test_a_ranking_is_looked_at_again_and_goes_by_the_worst_ratio(monkeypatch, t
         assert sum(calls.values()) == 2 + 4 * kmod.LOOK_EVERY and calls["b"] and [p.backend for p in ada._plans.values()] == ["b"]
         loaded = AttentionKernelManager(backends=["a", "b"], cache_path=path, looks_s=(10.0, 60.0))
         assert loaded.rankings == km.rankings and [look.ms for look in loaded.looks[key]] == \
-            [look.ms for look in km.looks[key]] and loaded._due[key] == clock["s"] + 60.0
-        clock["s"] += 59.0  # 60 s after the first look, 49 after the last: not due
+            [look.ms for look in km.looks[key]] and loaded._due[key] == wall["s"] + 60.0
+        wall["s"] += 59.0  # 60 s after the first look, 49 after the last: not due
         for _ in range(kmod.LOOK_EVERY + 1):
             ada(x, x, x)
         assert len(km.looks[key]) == 2
-        clock["s"] += 11.0
+        wall["s"] += 11.0
         typical.update(a=1.0, b=1.1)  # a spell like the first: b's worst ratio is still the lower
         for _ in range(kmod.LOOK_EVERY):
             ada(x, x, x)
@@ -378,7 +378,7 @@ def test_a_ranking_is_looked_at_again_and_goes_by_the_worst_ratio(monkeypatch, t
             AttentionKernelManager(looks_s=bad)
 
 
-def _slow_backward(delay: float) -> Backend:
+def _slow_backward(clock, delay: float) -> Backend:
     class Delayed(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -386,25 +386,25 @@ def _slow_backward(delay: float) -> Backend:
 
         @staticmethod
         def backward(ctx, g):
-            time.sleep(delay)
+            clock.sleep(delay)
             return g
 
     return Backend("slow_bwd", lambda q, k, v, m, c, s: Delayed.apply(BACKENDS["sdpa"].run(q, k, v, m, c, s)),
                    BACKENDS["sdpa"].why_not)
 
 
-def _slow_forward(delay: float) -> Backend:
+def _slow_forward(clock, delay: float) -> Backend:
     def run(q, k, v, m, c, s):
-        time.sleep(delay)
+        clock.sleep(delay)
         return BACKENDS["sdpa"].run(q, k, v, m, c, s)
 
     return Backend("slow_fwd", run, BACKENDS["sdpa"].why_not)
 
 
-def test_training_signature_is_ranked_on_forward_and_backward(monkeypatch):
+def test_training_signature_is_ranked_on_forward_and_backward(monkeypatch, clock):
     """A backend with a fast forward and a slow backward wins inference, not training."""
-    monkeypatch.setitem(BACKENDS, "slow_bwd", _slow_backward(0.03))
-    monkeypatch.setitem(BACKENDS, "slow_fwd", _slow_forward(0.005))
+    monkeypatch.setitem(BACKENDS, "slow_bwd", _slow_backward(clock, 0.03))
+    monkeypatch.setitem(BACKENDS, "slow_fwd", _slow_forward(clock, 0.005))
     km = AttentionKernelManager(backends=["slow_bwd", "slow_fwd"])
     q, k, v = _qkv()
     with torch.no_grad():
@@ -413,17 +413,17 @@ def test_training_signature_is_ranked_on_forward_and_backward(monkeypatch):
     out, used = km(q, k, v)
     assert used == "slow_fwd" and len(km.rankings) == 2
     train = km.timings[Signature.of(q, k, "none").key()]
-    assert train["slow_bwd"].host_ms > 30 > train["slow_fwd"].host_ms > 5
+    assert train["slow_bwd"].host_ms == pytest.approx(30) and train["slow_fwd"].host_ms == pytest.approx(5)
     out.sum().backward()  # the measurement left the caller's graph alone
     assert q.grad is not None and q.grad.shape == q.shape
 
 
-def test_module_call_is_what_the_manager_times(monkeypatch):
+def test_module_call_is_what_the_manager_times(monkeypatch, clock):
     """AdaAttention gives the manager its whole call to time: the projections and the output projection
     count in every backend's time (here the output projection sleeps 4 ms), a training signature is timed
     on forward and backward without touching the parameters' gradients or the caller's graph, and what
     was timed is on record. Called alone, the manager times the op."""
-    monkeypatch.setitem(BACKENDS, "slow_bwd", _slow_backward(0.01))
+    monkeypatch.setitem(BACKENDS, "slow_bwd", _slow_backward(clock, 0.01))
     km = AttentionKernelManager(backends=["sdpa", "slow_bwd"])
     ada = AdaAttention(32, 4, kernel_manager=km, precision_mode="fp32", rank_mode="full")
     out_proj = ada._out_proj
@@ -431,7 +431,7 @@ def test_module_call_is_what_the_manager_times(monkeypatch):
 
     def slow_out_proj(*a):
         projected["n"] += 1
-        time.sleep(0.004)
+        clock.sleep(0.004)
         return out_proj(*a)
 
     monkeypatch.setattr(ada, "_out_proj", slow_out_proj)
@@ -439,12 +439,12 @@ def test_module_call_is_what_the_manager_times(monkeypatch):
     with torch.no_grad():
         ada(x, x, x)
     (key,) = km.rankings
-    assert km.timed[key] == "call" and min(t.host_ms for t in km.timings[key].values()) > 4
+    assert km.timed[key] == "call" and all(t.host_ms == pytest.approx(4) for t in km.timings[key].values())
     paired = sum(t.rounds for t in km.timings[key].values())  # on a CPU a paired turn is one call
     assert projected["n"] == 2 * (1 + ROUNDS * km.repeats) + paired + 1  # two backends' turns, the call itself
     out, _ = ada(x, x, x)  # a training signature: forward and backward timed, the slow backward last
     train = next(k for k in km.rankings if k != key)
-    assert km.rankings[train] == ["sdpa", "slow_bwd"] and km.timings[train]["slow_bwd"].host_ms > 14
+    assert km.rankings[train] == ["sdpa", "slow_bwd"] and km.timings[train]["slow_bwd"].host_ms == pytest.approx(14)
     assert x.grad is None and all(p.grad is None for p in ada.parameters())
     out.sum().backward()
     assert x.grad is not None and ada.in_proj_weight.grad is not None
@@ -585,7 +585,7 @@ def test_module_gpu_work_hides_a_backends_host_time(monkeypatch):
     assert km.rankings[key] == ["hostly", "gpuy"], km.timings[key]
 
 
-def test_manager_gpu_timing_lengthens_the_hold_until_it_outlasts_the_host(monkeypatch):
+def test_manager_gpu_timing_lengthens_the_hold_until_it_outlasts_the_host(monkeypatch, clock):
     """The sleep that holds the stream while the host issues the timed calls is doubled while it was over before
     the last call was issued (its event completed), whatever the calibrated length in ms said: here the GPU
     runs the sleep three times as fast as calibrated (a lent H100 ran it at 1.9x, at a higher clock than it
@@ -594,13 +594,15 @@ def test_manager_gpu_timing_lengthens_the_hold_until_it_outlasts_the_host(monkey
     from adaattn.attention import timing
 
     class Gpu:
-        free_at = 0.0  # perf_counter time the simulated sleep ends
+        free_at = 0.0  # clock time the simulated sleep ends
         sleeps: list[float] = []  # each sleep's true length (s)
+        ends: list[float] = []  # the clock time each sleep ends
 
     def sleep(cycles):
         true_s = cycles / 3e6 / 1e3  # runs at 3e6 cycles/ms, three times the calibrated 1e6
         Gpu.sleeps.append(true_s)
-        Gpu.free_at = time.perf_counter() + true_s
+        Gpu.free_at = clock.s + true_s
+        Gpu.ends.append(Gpu.free_at)
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -610,7 +612,7 @@ def test_manager_gpu_timing_lengthens_the_hold_until_it_outlasts_the_host(monkey
             self.at = Gpu.free_at  # recorded after the sleep: completes when it ends
 
         def query(self):
-            return time.perf_counter() >= self.at
+            return clock.perf_counter() >= self.at
 
         def synchronize(self):
             pass
@@ -625,11 +627,14 @@ def test_manager_gpu_timing_lengthens_the_hold_until_it_outlasts_the_host(monkey
     monkeypatch.setattr(timing, "turn", lambda call, device, repeats: 1.0)
     issued = []
 
-    def call():  # 2 ms of host time per call
-        time.sleep(0.002)
-        issued.append(time.perf_counter())
+    def call():  # 2 ms of host time per call, on the simulated clock
+        clock.sleep(0.002)
+        issued.append(clock.s)
 
     timed = timing.timed(call, torch.device("cuda", 0), warmup=0, repeats=3)
     assert len(Gpu.sleeps) >= 2 and all(b == pytest.approx(2 * a) for a, b in zip(Gpu.sleeps, Gpu.sleeps[1:]))
-    assert Gpu.free_at > issued[-1]  # the last sleep outlasted the host's issue of the timed calls
+    # issued[0] is the issue that sized the first sleep; try i issues calls 1 + 3i .. 3 + 3i
+    assert len(issued) == 1 + 3 * len(Gpu.sleeps)
+    assert Gpu.ends[-1] > issued[-1]  # the last sleep outlasted the host's issue of the timed calls
+    assert all(end <= issued[3 + 3 * i] for i, end in enumerate(Gpu.ends[:-1]))  # each one before it did not
     assert len(Gpu.sleeps) <= timing.HOLD_TRIES and timed.gpu_ms == pytest.approx(1 / 3)

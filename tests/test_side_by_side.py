@@ -5,7 +5,6 @@ status rows without stopping the others."""
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -24,13 +23,13 @@ def test_rounds_are_reproducible_shuffled_permutations():
     assert len({tuple(r) for r in rounds}) > 5  # not one fixed order
 
 
-def test_calls_interleave_and_each_gets_its_own_time():
+def test_calls_interleave_and_each_gets_its_own_time(clock):
     log: list[int] = []
 
     def call(i: int, ms: float):
         def run():
             log.append(i)
-            time.sleep(ms / 1e3)
+            clock.sleep(ms / 1e3)
         return run
 
     times = [quantiles(s) for s in interleaved_samples_ms([call(0, 0.0), call(1, 5.0), call(2, 0.0)], "cpu", rounds=8)]
@@ -50,21 +49,21 @@ def test_fwd_bwd_call_clears_gradients_and_runs_backward():
     assert (first != 0).all()
 
 
-def _sleeper(ms: float) -> Workload:
+def _sleeper(clock, ms: float) -> Workload:
     x = torch.zeros(1)
-    return Workload(fwd=lambda: (time.sleep(ms / 1e3), x)[1], inputs=[x])
+    return Workload(fwd=lambda: (clock.sleep(ms / 1e3), x)[1], inputs=[x])
 
 
 def _fails() -> Workload:
     raise RuntimeError("backend missing here")
 
 
-def test_slow_providers_are_pruned_unless_kept_and_failures_are_rows():
+def test_slow_providers_are_pruned_unless_kept_and_failures_are_rows(clock):
     base = {"table_id": "T", "case_id": "c", "kernel": ""}
     # "kept" (the provider under test) is far faster than its rivals: the rivals are pruned against
     # the fastest rival, not against it
-    builders = {"fast": lambda: _sleeper(10.0), "slow": lambda: _sleeper(CONTENDER * 40.0), "broken": _fails,
-                "kept": lambda: _sleeper(0.0)}
+    builders = {"fast": lambda: _sleeper(clock, 10.0), "slow": lambda: _sleeper(clock, CONTENDER * 40.0), "broken": _fails,
+                "kept": lambda: _sleeper(clock, 0.0)}
     rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=20, min_rounds=3,
                              max_rounds=5)
     status = {r["provider"]: r["status"] for r in rows}
@@ -75,7 +74,7 @@ def test_slow_providers_are_pruned_unless_kept_and_failures_are_rows():
     assert "3 rounds" in by["fast"]["unit"]  # the budget (20 ms) fits fewer rounds than the minimum
 
 
-def test_round_ratios_cancel_a_drift_between_rounds():
+def test_round_ratios_cancel_a_drift_between_rounds(clock):
     """The host slows down and speeds up from round to round (1x-4x): each provider's own times spread
     with it, their per-round ratio does not."""
     n = [0]
@@ -84,7 +83,7 @@ def test_round_ratios_cancel_a_drift_between_rounds():
         def run():
             drift = 1 + (n[0] // 2) % 4  # both turns of a round see the same host speed
             n[0] += 1
-            time.sleep(ms * drift / 1e3)
+            clock.sleep(ms * drift / 1e3)
         return run
 
     a, b = interleaved_samples_ms([call(3.0), call(2.0)], "cpu", rounds=12)
@@ -96,9 +95,9 @@ def test_round_ratios_cancel_a_drift_between_rounds():
         round_ratios(a, b[:-1])
 
 
-def test_paired_rows_name_the_other_provider_and_need_a_kept_provider():
+def test_paired_rows_name_the_other_provider_and_need_a_kept_provider(clock):
     base = {"table_id": "T", "case_id": "c", "kernel": ""}
-    builders = {"kept": lambda: _sleeper(2.0), "rival": lambda: _sleeper(1.0)}
+    builders = {"kept": lambda: _sleeper(clock, 2.0), "rival": lambda: _sleeper(clock, 1.0)}
     rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=5,
                              max_rounds=5, paired="kept")
     (pair,) = [r for r in rows if r["metric"] == "paired_ratio"]
@@ -163,9 +162,9 @@ def test_outpaced_names_the_providers_another_beats_with_confidence():
     assert outpaced({"alone": fast}) == {}
 
 
-def test_rivals_outpaced_in_the_first_rounds_leave_and_the_rest_take_the_budget():
+def test_rivals_outpaced_in_the_first_rounds_leave_and_the_rest_take_the_budget(clock):
     base = {"table_id": "T", "case_id": "c", "kernel": ""}
-    builders = {"kept": lambda: _sleeper(2.0), "fast": lambda: _sleeper(1.0), "slow": lambda: _sleeper(2.5)}
+    builders = {"kept": lambda: _sleeper(clock, 2.0), "fast": lambda: _sleeper(clock, 1.0), "slow": lambda: _sleeper(clock, 2.5)}
     rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=100, min_rounds=8,
                              max_rounds=40, paired="kept")
     times = {r["provider"]: r for r in rows if r["metric"] == "side_by_side_ms"}
@@ -190,7 +189,7 @@ def test_rivals_outpaced_in_the_first_rounds_leave_and_the_rest_take_the_budget(
     assert {r["unit"].rsplit("; ", 1)[1] for r in rows} == {"8 rounds"} and not any(r["reason"] for r in rows)
 
 
-def test_an_open_goal_takes_one_more_block_of_rounds(monkeypatch):
+def test_an_open_goal_takes_one_more_block_of_rounds(monkeypatch, clock):
     """``settle``: where the interval of the paired provider's ratio to a rival still in the rounds spans the
     goal's bound, those providers take one more block of rounds (its own seed), once; the ratios come from
     all the rounds. Scripted turns: kept's ratio to rival alternates 0.9 and 1.1, rival's twin (an exact copy)
@@ -206,7 +205,7 @@ def test_an_open_goal_takes_one_more_block_of_rounds(monkeypatch):
 
     monkeypatch.setattr(sbs, "interleaved_samples_ms", scripted)
     base = {"table_id": "T", "case_id": "c", "kernel": ""}
-    builders = {"kept": lambda: _sleeper(1.0), "rival": lambda: _sleeper(1.0), "twin": lambda: _sleeper(1.0)}
+    builders = {"kept": lambda: _sleeper(clock, 1.0), "rival": lambda: _sleeper(clock, 1.0), "twin": lambda: _sleeper(clock, 1.0)}
 
     def run(settle):
         blocks.clear()
