@@ -8,31 +8,19 @@ initialised from a fixed seed; AdaAttention loads its ``state_dict``), called on
 - ``standard``: the projections, then matmul, softmax, matmul in the input dtype: the textbook
   module a model without fused attention runs (the guides' "standard attention");
 - ``adaattn``: AdaAttention, precision fixed to the case dtype, ``rank_mode="full"``: the kernel
-  manager picks the backend (candidates: ``manager_backends`` in params.yaml);
+  manager picks the backend (its candidates: ``manager_backends``, by default the hardware's);
 - ``adaattn_auto``: AdaAttention with everything adaptive (``precision_mode="auto"``,
   ``rank_mode="auto"``): what ``enable_gpu_optimization=True`` gives a user;
 - ``adaattn_noopt``: AdaAttention with ``enable_gpu_optimization=False`` (PyTorch's SDPA);
 - ``direct:<backend>``: AdaAttention's projections and output projection around one backend of the
   manager, called directly (no manager, no precision policy): the oracle for the 3% goal.
 
-The 3% goal's kernel time is also taken for a manager that ranks by GPU time (scaling, GPU, after the
-sweep): ``adaattn_gpu``, AdaAttention as ``adaattn`` with a kernel manager made with
-``objective="gpu"``, its calls and every direct backend's interleaved in one kernel trace per shape
-and mode (``goal_kernel_ms`` rows; its ranking per signature is among the ``manager_ranking`` rows).
-``adaattn``'s manager ranks by time per call, and where a call is host-bound it may choose a backend
-with a longer kernel and a leaner host: its kernel time then reads above the fastest backend's by that
-choice. Not a params provider: it is part of the goal, as the direct backends are its oracle.
-
-The 3% goal is also timed under host load (scaling, GPU): every provider's call preceded by a fixed
-spell of other host work (a spin of ``host_loads_us``), as a model's other layers issue theirs
-between two attention calls. Where the host has more to do the GPU waits for it, and the fastest
-backend can change: at B=16 S=1024 forward in the H100 scaling run at code 550382b8 the module,
-through SDPA's own dispatch (cuDNN), took 1.09x forced flash's time per call side by side, though
-the manager had measured that dispatch at 0.148 ms per call and flash at 0.193. A scratch run (same
-machine kind and code; spins of 0-250 us before each call) found SDPA's cuDNN path fastest up to
-60 us, and from 100 us forced flash or efficient attention, 4-5% ahead of forced cuDNN. A choice
-per signature made without the load (the manager's looks time its own calls) holds the goal at every
-host load only where one backend is within 3% of the fastest at each load; the report says where one is.
+Scaling's goal, besides the sweep (``extra_rows``): eager, adaattn and the direct backends side by
+side (time per call) and in one kernel trace (kernel time); compiled (``compile_mode``, CUDA graphs by
+default), ``compiled:adaattn`` beside ``compiled:direct:<backend>`` for each of ``compiled_backends``;
+the first call of each new signature (``first_call_s``: adaattn's, the kernel manager ranking its
+backends, then the direct call of the backend it chose); and the stack check, a stack of transformer
+blocks with AdaAttention vs the same with SDPA, both compiled block by block, a training step side by side.
 
 Accuracy is against a float64 module with the same weights on the first batch element.
 FLOPs (forward): projections 2*B*S*E*4E, attention 4*B*H*S^2*D (halved if causal).
@@ -40,7 +28,6 @@ FLOPs (forward): projections 2*B*S*E*4E, attention 4*B*H*S^2*D (halved if causal
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time
@@ -53,11 +40,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.ada import AdaAttention
-from adaattn.attention.backends import BACKENDS
-from adaattn.attention.kernel_manager import AttentionKernelManager
+from adaattn.attention.backends import BACKENDS, Signature
+from adaattn.attention.kernel_manager import IN_THE_RUNNING, AttentionKernelManager
 from adaattn.attention.providers import DTYPES, PROVIDERS
 from adaattn.attention.reference import attention_ref
-from adaattn.attention.timing import Timing
 from adaattn.bench.harness import Case, Workload, classify_error
 from adaattn.bench.runner import target_sections
 from adaattn.bench.timing import KernelTrace, UncutTrace, kernel_times_ms, quantiles
@@ -106,63 +92,20 @@ def backend_unavailable(backend: str, device: str) -> str | None:
     return PROVIDERS[provider].unavailable(device) if provider else None
 
 
-def _timed_name(backend: str, t: Timing | None) -> str:
-    """``backend (time per call / host / GPU ms)``, as the manager timed it; ``*`` after a time per call that is
-    the fastest burst (the backend took no paired rounds), not the typical turn."""
-    if t is None:
-        return backend
-    gpu = "-" if t.gpu_ms is None else f"{t.gpu_ms:.3g}"
-    return f"{backend} ({t.call_ms:.3g}{'' if t.rounds else '*'} / {t.host_ms:.3g} / {gpu})"
-
-
-HOST_PROBE_LOOP, HOST_PROBE_EVERY_S = 50_000, 5.0  # the host probe: loop length; at most one probe this often
-
-
-def host_probe_ms(n: int = HOST_PROBE_LOOP, repeats: int = 3) -> float:
-    """The host's speed now: a pure-Python loop of ``n`` multiply-adds, the fastest of ``repeats`` (ms). It
-    touches neither torch nor the GPU, so it moves with the host alone (its clock, other tenants), not
-    with the process's state. Why: on a lent H100's host (scratch run at code 9cc0577d: the scaling study,
-    this loop timed 59 times over its 500 s, between its steps and before each of the manager's looks) it
-    took 2.17-5.55 ms with no trend, and 4.85-5.29 ms in a fresh process started after the study; the host
-    time to issue the projections and forced flash attention at B=1 S=2048 E=512 bf16, timed beside it,
-    took 87-244 us, and the faster of that call with forced flash and with forced efficient attention
-    (median of 40 of the study's turns each) changed from probe to probe: flash at 21 of the 59, efficient
-    attention at 38. The probe's own time does not predict which (it is a probe of the host, not a model
-    of the call); it shows how far the host moved under a run's host-bound verdicts."""
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        acc = 0
-        for i in range(n):
-            acc += i * i
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
 GOAL_OVERHEAD = 1.03  # the 3% goal: adaattn at most 3% slower than the fastest backend called directly
-_TIMED = {"call": "module's call", "op": "attention op alone"}  # what a manager's ranking timed
-MANAGED = {"call": "adaattn", "gpu": "adaattn_gpu"}  # the module provider whose manager ranks by each objective
+FIRST_CALL_BUDGET_S = 0.5  # the goal: a new signature's first call within this of the direct backend's
 
 
 def manager_rows(manager: AttentionKernelManager, table_id: str, provider: str) -> list[dict]:
-    """A kernel manager's rankings per signature (fastest first), its looks and its fallbacks, as it
-    measured them in this run: ``manager_ranking``, ``manager_looks`` and ``manager_fallbacks`` rows."""
+    """A kernel manager's rankings per signature (fastest first, with the median GPU-time turn of each, ms) and
+    the seconds each took, and its fallbacks, as it measured them in this run."""
     rows = []
     for key, ranking in manager.rankings.items():
-        times = manager.timings.get(key, {})
-        paired = max((t.rounds for t in times.values()), default=0)
-        rows.append({"table_id": table_id, "case_id": f"manager/{key}", "provider": provider,
-                     "mode": "", "metric": "manager_ranking", "value": len(ranking),
-                     "unit": f"backends ranked by {manager.objective} (ms: time per call / host / GPU, of the "
-                             f"{_TIMED[manager.timed.get(key, 'op')]}, as the manager timed them; time per "
-                             f"call the typical turn of {paired} paired rounds, * the fastest burst)",
-                     "status": "ok", "reason": "", "kernel": " > ".join(_timed_name(b, times.get(b)) for b in ranking)})
-    for key, looks in manager.looks.items():
+        ms = manager.times_ms.get(key, {})
         rows.append({"table_id": table_id, "case_id": f"manager/{key}", "provider": provider, "mode": "",
-                     "metric": "manager_looks", "value": len(looks), "unit": "looks of paired rounds (s after the "
-                     "first: typical time per call, ms, fastest first)", "status": "ok", "reason": "",
-                     "kernel": "; ".join(f"{look.at_s:.0f} s: " + " > ".join(
-                         f"{b} ({ms:.3g})" for b, ms in sorted(look.ms.items(), key=lambda x: x[1])) for look in looks)})
+                     "metric": "manager_ranking", "value": manager.measure_s.get(key), "status": "ok", "reason": "",
+                     "unit": "s the ranking took; kernel: backends fastest first (median GPU-time turn, ms)",
+                     "kernel": " > ".join(f"{b} ({ms[b]:.3g})" if b in ms else b for b in ranking)})
     for (backend, reason), n in manager.fallbacks.items():
         rows.append({"table_id": table_id, "case_id": f"manager/fallback/{backend}", "provider": provider, "mode": "",
                      "metric": "manager_fallbacks", "value": n, "unit": "calls", "status": "ok",
@@ -178,76 +121,74 @@ class _Direct(nn.Module):
         self.ada, self.run = ada, BACKENDS[backend].run
 
     def forward(self, x: Tensor, causal: bool) -> Tensor:
-        a = self._modules["ada"]  # as AdaAttention reads its own submodules (not nn.Module.__getattr__)
         B, S, E = x.shape
-        q, k, v = a._project(x, x, x)
-        return a._out_proj(self.run(q, k, v, None, causal, 1 / math.sqrt(a.head_dim)), B, S, E)
+        q, k, v = self.ada._project(x, x, x)
+        out = self.run(q, k, v, None, causal, 1 / math.sqrt(self.ada.head_dim))  # (B, heads, S, D)
+        return self.ada.out_proj(out.transpose(1, 2).reshape(B, S, E))
 
 
-def spin(us: float) -> None:
-    """Keep the host busy for ``us`` microseconds (a busy wait: other host work, not a sleep)."""
-    end = time.perf_counter() + us * 1e-6
-    while time.perf_counter() < end:
-        pass
+class SdpaSelfAttention(nn.Module):
+    """The stack check's baseline: the projections around ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, embed_dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.in_proj = nn.Linear(embed_dim, 3 * embed_dim)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, E = x.shape
+        q, k, v = self.in_proj(x).view(B, S, 3, self.heads, E // self.heads).permute(2, 0, 3, 1, 4)  # (B, H, S, D)
+        return self.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, E))
 
 
-def loaded(w: Workload, us: float) -> Workload:
-    """``w`` with ``us`` microseconds of other host work before every forward call (``spin``)."""
-    fwd = w.fwd
+class Block(nn.Module):
+    """A pre-norm transformer block: LayerNorm, self-attention, residual, LayerNorm, MLP (GELU), residual."""
 
-    def call():
-        spin(us)
-        return fwd()
+    def __init__(self, attn: nn.Module, embed_dim: int, mlp_ratio: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(embed_dim), nn.LayerNorm(embed_dim)
+        self.attn = attn
+        self.mlp = nn.Sequential(nn.Linear(embed_dim, mlp_ratio * embed_dim), nn.GELU(),
+                                 nn.Linear(mlp_ratio * embed_dim, embed_dim))
 
-    return dataclasses.replace(w, fwd=call)
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        a = self.attn(h, h, h, need_weights=False)[0] if isinstance(self.attn, AdaAttention) else self.attn(h)
+        x = x + a
+        return x + self.mlp(self.norm2(x))
 
 
 class ModuleStudy:
     """One class, two studies: ``cpu_baseline`` (section G2-T1) and ``scaling`` (section G2-B)."""
 
-    config_columns = ["sweep", "batch", "seq_len", "embed_dim", "heads", "head_dim", "causal", "dtype",
-                      "host_load_us"]
+    config_columns = ["sweep", "batch", "seq_len", "embed_dim", "heads", "head_dim", "causal", "dtype"]
     # CUDA: besides time per call (events: at small shapes the host's time shows), the GPU time of a
-    # call's kernels (10 profiled calls) and host time per call (20 back to back): the backend choice
-    # is judged on the first, the module's Python overhead on the second
+    # call's kernels (10 profiled calls) and host time per call (20 back to back): the report reads a shape
+    # as GPU-bound where the fastest direct call's kernel time is at least GPU_BOUND x its host time
     kernel_calls = 10
     host_calls = 20
-    # the 3% goal's kernel-time trace (``_gpu_objective_rows``): rounds of one call of each provider, the
-    # goal decided on the per-round ratios' median and its confidence interval, as time per call. Why: in
-    # the H100 scaling run at code 2e4e0814 (ratio of 10-call medians) adaattn_gpu, running the same SDPA
-    # kernel as direct:sdpa, read 0.62 us (3.4%) above it at B=1 S=512 forward, over the bound; in scratch
-    # traces on an H100 (B=1-16, S=512-1024, forward; 10 and 40 rounds, four orders of the providers) two
-    # instances of direct:sdpa in one trace differed by up to 0.39 us, and adaattn_gpu read -0.01 to 0.37 us
-    # above direct:sdpa at B=1 S=512: a kernel time of 18 us is read to a few tenths of a microsecond
+    # the kernel-time goal's trace (``_kernel_goal_rows``): rounds of one call of each provider, the goal
+    # decided on the per-round ratios' median and its confidence interval; a kernel time of some 20 us is
+    # read to a few tenths of a microsecond (docs/notebook.md)
     goal_kernel_calls = 30
-    # time per call side by side (``side_by_side.py``), about this many ms of calls per shape and mode,
-    # within these rounds: scaling's 3% goal (adaattn and the direct backends) and G2-T1 (the module
-    # providers, CPU only: a point's calls take 10-80 ms there, so it gets more time). The goal's
-    # question is whether a median ratio is above 1.03; at 1 s per shape (20-200 rounds, H100 scaling
-    # run at code 4622cc24) the rounds' p20-p80 spanned up to 0.98-1.35 at host-bound shapes and the
-    # medians' confidence intervals could not answer it, so the goal's shapes get 5 s. On the CPU
-    # (calls of 1.6-40 ms) the goal's shapes took 26-200 rounds in 6 s, and the intervals of two of the
-    # six spanned the bound (CPU scaling run at code a94a5817): 12 s, up to 1000 rounds
-    side_by_side_ms = {("G2-B", "cuda"): 5000.0, ("G2-B", "cpu"): 12000.0, ("G2-T1", "cpu"): 15000.0}
+    # time per call side by side (``side_by_side.py``), about this many ms of calls per shape and mode, within
+    # these rounds: scaling's goal (adaattn and the direct backends, eager and compiled) and G2-T1 (the module
+    # providers, CPU only: a point's calls take 10-80 ms there, so it gets more time)
+    side_by_side_ms = {("G2-B", "cuda"): 3000.0, ("G2-B", "cpu"): 12000.0, ("G2-T1", "cpu"): 15000.0}
     side_by_side_rounds = {("G2-B", "cuda"): (40, 1000), ("G2-B", "cpu"): (20, 1000), ("G2-T1", "cpu"): (20, 200)}
-    # the 3% goal's providers side by side once more under each host load (us of host work before every
-    # call: ``loaded``), about host_load_ms of calls each, within host_load_rounds. 0-250 us in the scratch
-    # run the module docstring cites moved the fastest backend at B=16 S=1024 forward from 60 to 100 us. Not
-    # on the CPU: there a call is host time already (1.6-40 ms), and a spin adds the same to every provider
-    host_loads_us: dict[tuple[str, str], tuple[float, ...]] = {("G2-B", "cuda"): (50.0, 100.0, 200.0)}
-    host_load_ms = 1200.0
-    host_load_rounds = (20, 300)
-    # the kernel-time goal under objective "gpu" (``_gpu_objective_rows``): where it is taken. Not on the
-    # CPU: there both objectives rank by time per call
-    gpu_objective = frozenset({("G2-B", "cuda")})
+    stack_ms, stack_rounds = 3000.0, (20, 200)  # the stack check's side-by-side rounds
+    # where the kernel-time goal is taken (not on a CPU: no kernel time there)
+    kernel_goal = frozenset({("G2-B", "cuda")})
 
     def __init__(self, name: str, section_id: str, table_ids: tuple[str, ...], device: str = "cpu"):
         self.name, self.section_id, self.table_ids, self.device = name, section_id, table_ids, device
-        self._managers: dict[tuple[str, tuple[str, ...]], AttentionKernelManager] = {}
+        self._managers: dict[tuple[str, ...] | None, AttentionKernelManager] = {}
         self._inputs: tuple[str, Tensor] | None = None
         self._mha: dict[tuple, nn.MultiheadAttention] = {}
-        self._backends: tuple[str, ...] = tuple(BACKENDS)  # set by cases() from the section
-        self._probes: list[tuple[float, float, str]] = []  # (s after the first, ms, before what): ``_probe``
+        self._backends: tuple[str, ...] | None = None  # set by cases() from the section (None: the hardware's)
+        self._first_calls: list[dict] = []  # ``first_call_s`` rows (``_first_call_rows``)
+        self._seen: set[str] = set()  # cases whose first calls were made
 
     def bind(self, device: str) -> ModuleStudy:
         return ModuleStudy(self.name, self.section_id, self.table_ids, device)
@@ -266,11 +207,13 @@ class ModuleStudy:
 
     def cases(self, params: Params, target: Target) -> list[Case]:
         sec = self._section(params, target)
-        self._backends = tuple(sec.manager_backends)
-        missing = [b for b in sec.manager_backends if self.section_id == "G2-B" and f"direct:{b}" not in sec.providers]
+        self._backends = None if sec.manager_backends is None else tuple(sec.manager_backends)
+        may_run = sec.manager_backends or IN_THE_RUNNING[target.device]
+        missing = [b for b in may_run if self.section_id == "G2-B" and f"direct:{b}" not in sec.providers]
         if missing:  # the goal's oracle is every backend the manager may pick, called directly
             raise ValueError(f"{self.section_id}.{target.profile}.providers must hold direct:<backend> for every "
-                             f"manager_backends entry; missing: {', '.join('direct:' + b for b in missing)}")
+                             f"backend the kernel manager may pick (manager_backends, or the hardware's: "
+                             f"{', '.join(may_run)}); missing: {', '.join('direct:' + b for b in missing)}")
         if self.section_id == "G2-T1":
             shapes = [("point", b, s, False) for b, s in sec.points]
         else:
@@ -297,13 +240,12 @@ class ModuleStudy:
 
     # ------------------------------------------------------------------ workloads
 
-    def _manager(self, backends: tuple[str, ...], objective: str = "call") -> AttentionKernelManager:
-        """One manager per study run and objective (as one per process): it measures each signature once."""
-        if (objective, backends) not in self._managers:
-            manager = AttentionKernelManager(backends=list(backends), objective=objective)
-            manager.hold_looks = True  # a look runs only in a side-by-side warm-up call (``_warm_setup``)
-            self._managers[(objective, backends)] = manager
-        return self._managers[(objective, backends)]
+    def _manager(self) -> AttentionKernelManager:
+        """One manager per study run (as one per process): it measures each signature once."""
+        if self._backends not in self._managers:
+            self._managers[self._backends] = AttentionKernelManager(
+                backends=None if self._backends is None else list(self._backends))
+        return self._managers[self._backends]
 
     def mha(self, case: Case) -> nn.MultiheadAttention:
         c = case.config
@@ -323,34 +265,22 @@ class ModuleStudy:
     def build(self, case: Case, provider: str) -> nn.Module:
         c = case.config
         mha = self.mha(case)
-        if provider == "mha":
-            return mha
-        if provider == "standard":
-            return mha  # called through _standard_forward
-        precision = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[c["dtype"]]
-        kwargs: dict[str, Any] = dict(precision_mode=precision, rank_mode="full")
+        if provider in ("mha", "standard"):
+            return mha  # standard: called through _standard_forward
+        kwargs: dict[str, Any] = dict(precision_mode=c["dtype"], rank_mode="full")
         if provider == "adaattn_auto":
             kwargs = dict(precision_mode="auto", rank_mode="auto")
         elif provider == "adaattn_noopt":
             kwargs["enable_gpu_optimization"] = False
-        objective = "gpu" if provider == "adaattn_gpu" else "call"
-        ada = AdaAttention(c["embed_dim"], c["heads"], kernel_manager=self._manager(self._backends, objective),
-                           device=self.device, dtype=DTYPES[c["dtype"]], **kwargs)
+        ada = AdaAttention(c["embed_dim"], c["heads"], kernel_manager=self._manager(), device=self.device,
+                           dtype=DTYPES[c["dtype"]], **kwargs)
         ada.load_state_dict(mha.state_dict())
         return _Direct(ada, provider.removeprefix("direct:")) if provider.startswith("direct:") else ada
 
-    def _probe(self, before: str) -> None:
-        """The host's speed (``host_probe_ms``) between two steps of the study, at most every
-        ``HOST_PROBE_EVERY_S``: ``host_probe_ms`` rows, for the report's account of the host."""
-        now = time.monotonic()
-        if self._probes and now - self._t0 - self._probes[-1][0] < HOST_PROBE_EVERY_S:
-            return
-        if not self._probes:
-            self._t0 = now
-        self._probes.append((now - self._t0, host_probe_ms(), before))
-
     def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
-        self._probe(f"{case.case_id} {provider}")
+        if self.section_id == "G2-B" and case.case_id not in self._seen:  # before any other call of this shape
+            self._seen.add(case.case_id)
+            self._first_calls += self._first_call_rows(case)
         c = case.config
         causal = c["causal"]
         module = self.build(case, provider)
@@ -364,11 +294,83 @@ class ModuleStudy:
         elif provider.startswith("direct:"):
             fn = lambda: module(x, causal)  # noqa: E731
         else:
-            fn = lambda: module(x, x, x, is_causal=causal)[0]  # noqa: E731
+            fn = lambda: module(x, x, x, need_weights=False, is_causal=causal)[0]  # noqa: E731
         params = [p for p in module.parameters() if p.requires_grad] if requires_grad else []
         for p in params:
             p.grad = None
         return Workload(fwd=fn, inputs=[x, *params], flops_fwd=self.flops(case), to_reference_layout=lambda o: o[:1])
+
+    def _compiled_setup(self, case: Case, provider: str, requires_grad: bool, mode: str, fresh: bool) -> Workload:
+        """``setup`` of ``provider`` (after ``compiled:``), its module compiled whole in ``mode``. ``fresh``: the
+        group's first: dynamo starts afresh (each new module and shape is another entry in dynamo's cache of the
+        same code, and past its limit dynamo would run the call eagerly: a silent change of what is timed)."""
+        if fresh:
+            torch._dynamo.reset()
+        w = self.setup(case, provider, requires_grad)
+        torch._dynamo.mark_static_address(w.inputs[0])  # the input stays put: no copy into the CUDA graph per call
+        compiled = torch.compile(w.fwd, fullgraph=True, mode=mode)
+
+        def fwd():
+            torch.compiler.cudagraph_mark_step_begin()  # each call a new step: no output is kept across calls
+            return compiled()
+
+        return Workload(fwd=fwd, inputs=w.inputs, flops_fwd=w.flops_fwd)
+
+    def _first_call_rows(self, case: Case) -> list[dict]:
+        """Per mode: the seconds of adaattn's first call of the case's signature (synchronised; the kernel manager
+        ranks the signature's backends in it), then of the direct call of the backend it put first, made after it
+        (that backend's per-shape setup already done: the difference bounds the new signature's cost from above),
+        and the seconds the ranking itself took (``first_call_measure_s``)."""
+        sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        if not self._first_calls:  # the process's one-time costs (kernel loading) first, on a small shape
+            self._warm_process(case)
+        manager = self._manager()
+        base = {"table_id": self.section_id, "case_id": case.case_id, "kernel": "", **case.config}
+        rows = []
+        for mode in case.modes:
+            grad = mode != "fwd"
+            key = self._signature(case, grad).key()
+            if key in manager.rankings:  # ranked already (another case with the same signature)
+                continue
+            seconds = {}
+            for provider in ("adaattn", None):
+                if provider is None:  # the direct call of the backend the manager put first
+                    provider = f"direct:{manager.rankings[key][0]}"
+                w = self.setup(case, provider, grad)
+                sync()
+                t0 = time.perf_counter()
+                with torch.enable_grad() if grad else torch.no_grad():
+                    out = w.fwd()
+                    if grad:  # a training step's first call: forward and backward
+                        out.backward(torch.ones_like(out))
+                sync()
+                seconds[provider] = time.perf_counter() - t0
+                del out, w
+            for provider, s in seconds.items():
+                rows.append(base | {"provider": provider, "mode": mode, "metric": "first_call_s", "value": s,
+                                    "unit": "s of the first call of a new signature (synchronised): adaattn's ranks "
+                                            "the backends; the direct call's comes after it", "status": "ok",
+                                    "reason": ""})
+            rows.append(base | {"provider": "adaattn", "mode": mode, "metric": "first_call_measure_s",
+                                "value": manager.measure_s.get(key), "unit": "s the kernel manager's ranking took",
+                                "status": "ok", "reason": ""})
+        return rows
+
+    def _warm_process(self, case: Case) -> None:
+        c = case.config
+        x = torch.randn(1, 64, c["embed_dim"], device=self.device, dtype=DTYPES[c["dtype"]], requires_grad=True)
+        warm = AdaAttention(c["embed_dim"], c["heads"], precision_mode=c["dtype"], rank_mode="full",
+                            kernel_manager=AttentionKernelManager(self._backends and list(self._backends)),
+                            device=self.device, dtype=DTYPES[c["dtype"]])
+        warm.tune(x, grad=None)
+
+    def _signature(self, case: Case, grad: bool) -> Signature:
+        """The kernel manager's signature of the case's calls (grad: a training call's)."""
+        c = case.config
+        q = torch.empty(c["batch"], c["heads"], c["seq_len"], c["head_dim"], device=self.device,
+                        dtype=DTYPES[c["dtype"]], requires_grad=grad)
+        with torch.enable_grad() if grad else torch.no_grad():
+            return Signature.of(q, q, "causal" if c["causal"] else "none")
 
     @staticmethod
     def flops(case: Case) -> float:
@@ -389,97 +391,132 @@ class ModuleStudy:
         return True
 
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
-        """Providers side by side (scaling: the 3% goal's; cpu_baseline: G2-T1's). Both studies: the
-        kernel manager's ranking per signature (fastest first), as it measured it in this run."""
-        rows = self._side_by_side(params, target) + self._gpu_objective_rows(params, target)
+        """Providers side by side (scaling: the goal's, eager and compiled, and the stack check; cpu_baseline:
+        G2-T1's), the kernel-time goal, the first calls, and the kernel manager's rankings as it measured them."""
+        rows = self._side_by_side(params, target) + self._kernel_goal_rows(params, target)
+        if self.section_id == "G2-B":
+            sec = self._section(params, target)
+            rows += self._compiled_rows(params, target, sec) + self._stack_rows(sec)
+        rows += self._first_calls
         for manager in self._managers.values():
-            rows += manager_rows(manager, self.section_id, MANAGED[manager.objective])
-        unit = f"ms: a pure-Python loop of {HOST_PROBE_LOOP} multiply-adds, the fastest of 3"
-        rows += [{"table_id": self.section_id, "case_id": "host/probe", "provider": "host", "mode": "",
-                  "metric": "host_probe_ms", "value": ms, "unit": unit, "status": "ok",
-                  "reason": f"{at:.0f} s after the first probe, before {before}", "kernel": ""}
-                 for at, ms, before in self._probes]
+            rows += manager_rows(manager, self.section_id, "adaattn")
         return rows
+
+    def _direct(self, case: Case) -> list[str]:
+        return [p for p in case.providers if p.startswith("direct:") and self.unavailable(p, self.device) is None]
 
     def _side_by_side(self, params: Params, target: Target) -> list[dict]:
         """``side_by_side_ms`` per case and mode, the calls interleaved, and adaattn's ``paired_ratio`` to
         each other provider. Scaling (the 3% goal's time per call): adaattn and every available
         ``direct:<backend>``. G2-T1: every module provider of the case, none left out."""
         groups, keep = [], ["adaattn"]
-        loads = self.host_loads_us.get((self.section_id, self.device), ())
-        under_load = []  # the goal's groups once per host load
         for case in self.cases(params, target):
             if self.section_id == "G2-T1":
                 names = [p for p in case.providers if self.unavailable(p, self.device) is None]
                 keep = names
             else:
-                names = ["adaattn"] + [p for p in case.providers if p.startswith("direct:")
-                                       and self.unavailable(p, self.device) is None]
+                names = ["adaattn"] + self._direct(case)
             if "adaattn" not in names:
                 continue
             base = {"table_id": self.section_id, "case_id": case.case_id, "kernel": "", **case.config}
-            if loads:
-                base["host_load_us"] = 0.0
             for mode in case.modes:
                 timed = [p for p in names if mode == "fwd" or self.has_backward(p)]
-                groups.append((base, mode, {p: functools.partial(self._warm_setup, case, p, mode != "fwd") for p in timed}))
-                under_load += [(base | {"host_load_us": us}, mode,
-                                {p: functools.partial(self._loaded_setup, case, p, mode != "fwd", us) for p in timed})
-                               for us in loads]
+                groups.append((base, mode, {p: functools.partial(self.setup, case, p, mode != "fwd") for p in timed}))
         if not groups:
             return []
         budget = (self.section_id, self.device)
         lo, hi = self.side_by_side_rounds[budget]
         settle = GOAL_OVERHEAD if self.section_id == "G2-B" else None  # the goal's: one more block where open
-        rows = side_by_side_rows(groups, self.device, keep=keep, budget_ms=self.side_by_side_ms[budget],
+        return side_by_side_rows(groups, self.device, keep=keep, budget_ms=self.side_by_side_ms[budget],
                                  min_rounds=lo, max_rounds=hi, paired="adaattn", settle=settle)
-        if under_load:
-            rows += side_by_side_rows(under_load, self.device, keep=keep, budget_ms=self.host_load_ms,
-                                      min_rounds=self.host_load_rounds[0], max_rounds=self.host_load_rounds[1],
-                                      paired="adaattn", settle=settle)
+
+    def _compiled_rows(self, params: Params, target: Target, sec) -> list[dict]:
+        """The compiled goal: per case and mode, ``compiled:adaattn`` and ``compiled:direct:<backend>`` for each of
+        ``compiled_backends`` that runs here, each compiled whole in ``compile_mode``, side by side
+        (``compiled_side_by_side_ms``, ``compiled_paired_ratio`` rows)."""
+        if not sec.compiled_backends:
+            return []
+        groups = []
+        for case in self.cases(params, target):
+            rivals = [f"direct:{b}" for b in sec.compiled_backends
+                      if backend_unavailable(b, self.device) is None and BACKENDS[b].traceable]
+            base = {"table_id": self.section_id, "case_id": case.case_id, "kernel": sec.compile_mode, **case.config}
+            for mode in case.modes:
+                names = ["adaattn", *rivals]
+                groups.append((base, mode, {f"compiled:{p}": functools.partial(
+                    self._compiled_setup, case, p, mode != "fwd", sec.compile_mode, p == "adaattn") for p in names}))
+        budget = (self.section_id, self.device)
+        lo, hi = self.side_by_side_rounds[budget]
+        rows = side_by_side_rows(groups, self.device, keep=["compiled:adaattn"], budget_ms=self.side_by_side_ms[budget],
+                                 min_rounds=lo, max_rounds=hi, paired="compiled:adaattn", settle=GOAL_OVERHEAD,
+                                 prefix="compiled_")
+        torch._dynamo.reset()
         return rows
 
-    def _loaded_setup(self, case: Case, provider: str, requires_grad: bool, us: float) -> Workload:
-        return loaded(self._warm_setup(case, provider, requires_grad), us)
+    def _stack_rows(self, sec) -> list[dict]:
+        """The stack check: ``sec.stack`` blocks with AdaAttention (its signature tuned first, as a user would
+        before compiling) vs with SDPA, each block compiled (default mode: regional compilation, one graph for
+        every block), a training step (forward and backward) side by side: ``stack_side_by_side_ms`` and
+        ``stack_paired_ratio`` rows."""
+        st = sec.stack
+        if st is None:
+            return []
+        dtype = DTYPES[st.dtype]
 
-    def _warm_setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
-        """``setup`` and one call, in the grad mode of the calls to come, with the managers' looks let run: a look
-        of the manager that came due (``AttentionKernelManager.looks_s``) runs here, before the side-by-side
-        warm-up, not in a timed turn or the sweep's timed, profiled and traced calls (held there: ``_manager``)."""
-        w = self.setup(case, provider, requires_grad)
-        held = [m for m in self._managers.values() if m.hold_looks]
-        for m in held:
-            m.hold_looks = False
-        try:
-            with torch.enable_grad() if requires_grad else torch.no_grad():
-                w.fwd()
-        finally:
-            for m in held:
-                m.hold_looks = True
-        return w
+        def build(kind: str) -> Workload:
+            torch.manual_seed(SEED)
+            attn = (lambda: AdaAttention(st.embed_dim, st.heads, precision_mode=st.dtype, rank_mode="full",
+                                         kernel_manager=self._manager())) if kind == "adaattn" else \
+                (lambda: SdpaSelfAttention(st.embed_dim, st.heads))
+            stack = nn.Sequential(*(Block(attn(), st.embed_dim, st.mlp_ratio) for _ in range(st.layers)))
+            stack = stack.to(self.device, dtype)
+            x = torch.randn(st.batch, st.seq_len, st.embed_dim, device=self.device, dtype=dtype, requires_grad=True)
+            if kind == "adaattn":
+                stack[0].attn.tune(x.detach(), grad=True)  # one signature for every block: one ranking
+            for block in stack:
+                block.compile()
+            return Workload(fwd=lambda: stack(x), inputs=[x, *stack.parameters()])
 
-    def _gpu_objective_rows(self, params: Params, target: Target) -> list[dict]:
-        """``goal_kernel_ms`` per case and mode: the kernel time per call of ``adaattn_gpu`` (its manager ranks
-        by GPU time) and of every available direct backend, their calls round robin in one profiler
-        session (``kernel_times_ms``, ``kernel_calls`` each, after two calls each: the first ranks the
-        signature). The adaattn_gpu row's ``kernel`` names the backend its manager put first."""
-        if (self.section_id, self.device) not in self.gpu_objective:
+        torch._dynamo.reset()
+        base = {"table_id": self.section_id, "case_id": f"{self.section_id}/stack-{st.layers}x-b{st.batch}-s{st.seq_len}"
+                f"-e{st.embed_dim}-h{st.heads}-{st.dtype}", "kernel": "", "batch": st.batch, "seq_len": st.seq_len,
+                "embed_dim": st.embed_dim, "heads": st.heads, "head_dim": st.embed_dim // st.heads, "causal": False,
+                "dtype": st.dtype, "sweep": "stack"}
+        lo, hi = self.stack_rounds
+        rows = side_by_side_rows([(base, "fwd_bwd", {f"stack:{k}": functools.partial(build, k)
+                                                     for k in ("adaattn", "sdpa")})],
+                                 self.device, keep=["stack:adaattn", "stack:sdpa"], budget_ms=self.stack_ms,
+                                 min_rounds=lo, max_rounds=hi, paired="stack:adaattn", prefix="stack_")
+        torch._dynamo.reset()
+        return rows
+
+    def _kernel_goal_rows(self, params: Params, target: Target) -> list[dict]:
+        """``goal_kernel_ms`` per case and mode: the kernel time per call of adaattn and of every available direct
+        backend, their calls round robin in one profiler session (``kernel_times_ms``, ``goal_kernel_calls``
+        each, after two calls each), and adaattn's over each backend's, round by round
+        (``goal_kernel_paired_ratio``). The adaattn row's ``kernel`` names the backend its manager put first."""
+        if (self.section_id, self.device) not in self.kernel_goal:
             return []
         rows = []
         for case in self.cases(params, target):
-            direct = [p for p in case.providers if p.startswith("direct:") and self.unavailable(p, self.device) is None]
             base = {"table_id": self.section_id, "case_id": case.case_id, **case.config}
             for mode in case.modes:
-                names = ["adaattn_gpu"] + [p for p in direct if mode == "fwd" or self.has_backward(p)]
-                trace, status, reason, chosen = None, "error", "", ""
+                names = ["adaattn"] + [p for p in self._direct(case) if mode == "fwd" or self.has_backward(p)]
+                trace, status, reason = None, "error", ""
                 try:
-                    trace, chosen = self._kernel_trace(case, names, mode)
+                    with torch.no_grad() if mode == "fwd" else torch.enable_grad():
+                        calls = [call_of(self.setup(case, p, mode != "fwd"), mode) for p in names]
+                        for call in calls:
+                            call()
+                            call()
+                        trace = kernel_times_ms(calls, self.goal_kernel_calls)
                     status = "ok"
                 except UncutTrace as err:
                     reason = str(err)
                 except Exception as err:  # noqa: BLE001 - a failed trace becomes status rows; the study goes on
                     status, reason = classify_error(err)
                 torch.cuda.empty_cache()
+                chosen = (self._manager().ranking(self._signature(case, mode != "fwd")) or [""])[0]
                 for i, p in enumerate(names):
                     q = quantiles(trace.samples[i]) if trace else None
                     rows.append(base | {
@@ -488,27 +525,12 @@ class ModuleStudy:
                         "unit": f"ms of GPU kernel time per call (sum over its kernels; the calls of {len(names)} "
                                 f"providers interleaved in one trace, {self.goal_kernel_calls} rounds"
                                 f"{trace.note() if trace else ''})",
-                        "kernel": chosen if p == "adaattn_gpu" else ""})
-                if trace:  # adaattn_gpu's kernel time over each direct backend's, round by round
+                        "kernel": chosen if p == "adaattn" else ""})
+                if trace:
                     rows += paired_ratio_rows(base | {"mode": mode}, "goal_kernel_paired_ratio", names[0],
                                               trace.samples[0], dict(zip(names[1:], trace.samples[1:], strict=True)),
                                               "kernel time, summed over the call's kernels, in one profiler trace")
         return rows
-
-    def _kernel_trace(self, case: Case, names: list[str], mode: str) -> tuple[KernelTrace, str]:
-        """(``kernel_times_ms``'s trace of ``names``' calls in ``mode``, the backend adaattn_gpu's manager put
-        first for the case's signature)."""
-        grad = torch.no_grad if mode == "fwd" else torch.enable_grad
-        manager = self._manager(self._backends, "gpu")
-        seen = set(manager.rankings)
-        with grad():
-            calls = [call_of(self.setup(case, p, mode != "fwd"), mode) for p in names]
-            for call in calls:  # the first call ranks adaattn_gpu's signature; the second runs the choice
-                call()
-                call()
-            trace = kernel_times_ms(calls, self.goal_kernel_calls)
-        new = [k for k in manager.rankings if k not in seen]
-        return trace, (manager.rankings[new[0]][0] if len(new) == 1 else "")
 
     # ------------------------------------------------------------------ report
 

@@ -65,7 +65,7 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.norm1(x)
-        x = x + self.attn(h, h, h)[0]
+        x = x + self.attn(h, h, h, need_weights=False)[0]
         return x + self.mlp(self.norm2(x))
 
     def reference(self, x: Tensor) -> Tensor:
@@ -93,14 +93,9 @@ class PrecisionStudy:
         self.device = device
         self._inputs: tuple[str, Tensor | tuple[Tensor, ...]] | None = None
         self._blocks: dict[str, Block] = {}
-        # no later looks (``looks_s``): the block's backend is chosen once, at its first call, and a look cannot
-        # land in a timed call or the peak-memory call. The backend it chose per precision and mode is in the
-        # results (``manager_ranking`` rows) and the report: a block's peak memory is its backend's. (At code
-        # 85c029fb the CPU fp16 block's forward peaked at 7.50 MiB, 2.75 at the code before; that was put down to
-        # a look, but two CPU runs at code 9cc0577d, without looks, gave 7.50 and 2.75 again: the manager had
-        # chosen forced SDPA math, which holds the score matrix, in one and SDPA's flash kernel in the other,
-        # within 2% of each other's time; a tie now goes to the backend without the scores, ``rank_timings``.)
-        self._manager = AttentionKernelManager(looks_s=())
+        # one manager for the study: the block's backend is chosen at its first call per precision and mode, and
+        # a block's peak memory is its backend's (``manager_ranking`` rows; the report names it)
+        self._manager = AttentionKernelManager()
         self._section = None
 
     def bind(self, device: str) -> PrecisionStudy:

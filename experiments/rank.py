@@ -21,8 +21,8 @@ for each rank of ``ranks`` up to S/2, and ``policy``: the path that ``rank_mode=
 (``rank.choose_rank``, both paths) picks for these inputs (its one-time estimate is not timed; the
 study lifts AdaAttention's minimum length, so the policy is seen at every S). As in AdaAttention,
 a path within the error budget is taken only where it is faster than the exact path, timed side by
-side by a kernel manager (``AttentionKernelManager.time_calls``; here the op alone, not a module's
-call); the exact path, there and where the policy stays exact, is that manager's first of the
+side by a kernel manager (``AttentionKernelManager.time_ops``: GPU-time turns, as it ranks backends);
+the exact path, there and where the policy stays exact, is that manager's first of the
 study's ``exact_providers`` (``_exact``). Error: against
 float64 on the first batch element. ``pooled-<r>`` runs what ``rank.pooled_attention`` runs for a
 forward without autograd: two fused Triton launches on a GPU where S is a multiple of r (the
@@ -182,14 +182,15 @@ class RankStudy:
 
     def _exact(self, case: Case) -> str:
         """The policy's exact path for the case: the first backend of a kernel manager over the study's exact
-        providers that can run here (the op alone, by time per call, no later looks), as AdaAttention's manager
-        ranks its backends; measured once per signature."""
+        providers that can run here, as AdaAttention's manager ranks its backends; measured once per signature."""
         if self._policy_manager is None:
             names = [p for p in self._sec.exact_providers if self.unavailable(p, self.device) is None]
-            self._policy_manager = AttentionKernelManager(backends=names, looks_s=())
+            self._policy_manager = AttentionKernelManager(backends=names)
         q, k, v = self.inputs(case)
         with torch.no_grad():
-            return self._policy_manager.ranking(Signature.of(q, k, "none"), q, k, v, None, False, None)[0]
+            sig = Signature.of(q, k, "none")
+            manager = self._policy_manager
+            return (manager.ranking(sig) or manager.measure(sig, q, k, v, None, False, None))[0]
 
     def _speed(self, case: Case, choice: LowRank) -> Speed:
         """``choose_rank``'s ``speed``: the low-rank path against the exact path (``_exact``), side by side."""
@@ -197,7 +198,7 @@ class RankStudy:
         q, k, v = self.inputs(case)
         run = BACKENDS[exact].run
         with torch.no_grad():
-            t = self._policy_manager.time_calls({"low-rank": lambda: low_rank_attention(q, k, v, choice),
+            t = self._policy_manager.time_ops({"low-rank": lambda: low_rank_attention(q, k, v, choice),
                                                  exact: lambda: run(q, k, v, None, False, None)}, q.device)
         return Speed(t.get("low-rank", float("inf")), t.get(exact, float("inf")), exact)
 

@@ -1,59 +1,25 @@
-"""Time per call side by side: the calls of a goal's providers interleaved in shuffled rounds.
+"""Time per call side by side, as rows: the calls of a goal's providers interleaved in shuffled rounds
+(``bench.rounds``, which the kernel manager shares), each group's rivals pruned and outpaced, and the goal's
+ratio read round by round with its median's confidence interval (``docs/methods.md``).
 
-The issue's two speed goals compare providers' time per call (AdaAttention vs the fastest backend
-called directly, scaling; the low-rank path vs the best exact backend, rank). The harness times
-one provider's calls and then the next one's; where a call is mostly host time, the host's speed
-drifts between them: in the H100 scaling run at code 55172f7d (``host_ms`` rows) AdaAttention took
-0.51 ms of host time per call against direct:sdpa_cudnn's 0.26 at B=4 S=1024, but 0.17 against
-0.29 at B=1 S=2048, though it runs more Python than the direct call at both: the drift is far more
-than the 3% the goal is about. Here every round calls each provider once, in an order shuffled
-per round (a fixed seed), so a drift lands on every provider alike. On a CPU a turn is one call
-timed with ``perf_counter``. On a GPU a turn is ``BURST`` calls: the L2 flushed and the queue
-drained first, one call that is not counted (its host time runs on an idle GPU), then
-``BURST`` - 1 calls back to back between two CUDA events, their mean the sample: a steady stream
-of calls, as a model's loop makes them, whose time is the host's where the call is host-bound
-and the GPU's where it is GPU-bound. A goal's ratio is best taken round by round
-(``round_ratios``): both turns of a round see the same host, so what drifts between rounds cancels.
-Its median over the rounds comes with a distribution-free 95% confidence interval (``median_ci``):
-at a host-bound shape the rounds' ratios spread by more than the 3% a goal is about (p20-p80
-0.98-1.35 over 20 rounds at B=1 S=2048 forward and backward, H100 scaling run at code 4622cc24),
-so whether the median is above a bound is a question the rounds answer only where the interval
-leaves it on one side.
-
-A group's rounds come in two parts. First ``min_rounds`` rounds of every provider timed; then a
-rival (a provider not under test) that another rival beats with ``CI_LEVEL`` confidence (the
-confidence interval of the median of their round-by-round ratio below 1, ``outpaced``) leaves the
-rounds: it cannot be the fastest rival, which is what a goal compares against, and the rest of the
-budget goes to rounds of the others. Timed to the end, every backend within ``CONTENDER`` of the
-fastest took a turn in every round, and the two turns that decide a goal's ratio (adaattn's and
-the fastest backend's) got the smaller share of the budget the more backends were close. Where a
-goal's question is still open after that (``settle``: the interval of the ratio to a rival still in
-the rounds spans the goal's bound), those providers take one block more, as much again, once.
-
-Designs measured and dropped (H100): one call per turn behind another provider's GPU work hid a
-host-bound call's host time (the fused Nyström path came out at its kernel time, 4x under its
-time per call); one call per turn on a drained queue added every provider's launch latency; an
-L2 flush before each counted call overlapped the next call's host time, and two identical
-providers then differed by up to 18% at a host-bound shape (B=1 S=512 E=512 bf16, scratch run at
-code 540a0c9d).
+A group's rounds come in two parts. First ``min_rounds`` rounds of every provider timed; then a rival (a
+provider not under test) that another rival beats with ``CI_LEVEL`` confidence (``outpaced``) leaves the
+rounds: it cannot be the fastest rival, which is what a goal compares against, and the rest of the budget
+goes to the others. Where a goal's question is still open after that (``settle``: the interval of the
+ratio to a rival still in the rounds spans the goal's bound), those providers take one block more, once.
 """
 
 from __future__ import annotations
 
 import math
-import random
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from adaattn.attention.paired import CI_LEVEL, median_ci, round_ratios
 from adaattn.bench.harness import Workload
+from adaattn.bench.rounds import BURST, CI_LEVEL, SEED, interleaved_samples_ms, median_ci, outpaced, round_ratios, warm_ms
 from adaattn.bench.timing import Quantiles, quantiles
 
-SEED = 0  # the round orders
-WARMUP_CALLS = 3  # per provider, timed alone before the rounds
-BURST = 4  # CUDA: calls per provider per round, back to back; the first is not counted
 CONTENDER = 3.0  # a provider this much slower than the fastest in warm-up is not timed in the rounds
 
 
@@ -80,74 +46,9 @@ def call_of(w: Workload, mode: str) -> Callable[[], object]:
     return fwd_bwd
 
 
-def shuffled_rounds(n_calls: int, rounds: int, seed: int = SEED) -> list[list[int]]:
-    """The order of each round: every index once, shuffled (reproducibly)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(rounds):
-        order = list(range(n_calls))
-        rng.shuffle(order)
-        out.append(order)
-    return out
-
-
-def warm_ms(call: Callable[[], object], device: str, calls: int = WARMUP_CALLS) -> float:
-    """The fastest of ``calls`` calls (ms, synchronised): the warm-up, and an estimate of one call."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    best = math.inf
-    for _ in range(calls):
-        sync()
-        t0 = time.perf_counter()
-        call()
-        sync()
-        best = min(best, (time.perf_counter() - t0) * 1e3)
-    return best
-
-
-def interleaved_samples_ms(calls: Sequence[Callable[[], object]], device: str, rounds: int,
-                           seed: int = SEED) -> list[list[float]]:
-    """Each call's time (ms) in each of ``rounds`` shuffled rounds of one turn each, in round order
-    (sample j of every call comes from round j). On a GPU a sample is the mean of a turn's
-    ``BURST`` - 1 counted calls; on a CPU, one call. ``seed``: the round orders'."""
-    if not calls or rounds < 1:
-        raise ValueError(f"need calls and rounds >= 1; got {len(calls)} calls, {rounds} rounds")
-    order = shuffled_rounds(len(calls), rounds, seed)
-    samples: list[list[float]] = [[] for _ in calls]
-    if device == "cuda":
-        flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")  # the L2, as CudaTimer
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(rounds * len(calls))]
-        turns = []
-        for r in order:
-            for i in r:
-                # a turn: the L2 flushed and the queue drained; one call that is not counted (its host
-                # time runs on an idle GPU); then BURST - 1 calls back to back between two events, as a
-                # model's loop calls a module: a host-bound call's time is its host time, a GPU-bound
-                # one's its GPU time, and nothing overlaps the counted calls but their own work
-                flush.zero_()
-                torch.cuda.synchronize()
-                calls[i]()
-                s, e = events[len(turns)]
-                s.record()
-                for _ in range(BURST - 1):
-                    calls[i]()
-                e.record()
-                turns.append(i)
-        torch.cuda.synchronize()
-        for i, (s, e) in zip(turns, events, strict=True):
-            samples[i].append(s.elapsed_time(e) / (BURST - 1))
-    else:
-        for r in order:
-            for i in r:
-                t0 = time.perf_counter()
-                calls[i]()
-                samples[i].append((time.perf_counter() - t0) * 1e3)
-    return samples
-
-
 def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], Workload]]]], device: str,
                       keep: Sequence[str], budget_ms: float, min_rounds: int, max_rounds: int,
-                      paired: str | None = None, settle: float | None = None) -> list[dict]:
+                      paired: str | None = None, settle: float | None = None, prefix: str = "") -> list[dict]:
     """``side_by_side_ms`` rows, one per (group, provider). A group: (the rows' common fields: table,
     case and config columns; mode; provider -> a function that builds its workload). Each group's
     providers are warmed up and timed alone first; ``keep`` names the providers under test, always
@@ -165,7 +66,8 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
     provider still in them spans it, the providers still in take one more block of rounds, about
     ``budget_ms`` of calls (at most ``max_rounds``), and the ratios come from all the rounds: a question
     the budget left open gets one more look, not as many as it takes (each look would be one more
-    chance of an interval that misses). The rows' unit says how many rounds that block held."""
+    chance of an interval that misses). The rows' unit says how many rounds that block held. ``prefix``: before
+    every metric's name (``compiled_side_by_side_ms``: another goal's rounds in the same results)."""
     if paired is not None and paired not in keep:
         raise ValueError(f"paired provider {paired!r} must be one of keep: {', '.join(keep)}")
     if settle is not None and paired is None:
@@ -177,7 +79,7 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
         how = (f"turns of {BURST} calls on a flushed, drained queue, the first not counted, the other {BURST - 1} "
                "back to back between CUDA events" if device == "cuda" else "perf_counter")
         unit = f"ms per call (p50; calls interleaved with the group's other providers in shuffled rounds, {how})"
-        row = {**base, "mode": mode, "metric": "side_by_side_ms", "value": None, "unit": unit}
+        row = {**base, "mode": mode, "metric": f"{prefix}side_by_side_ms", "value": None, "unit": unit}
         names, calls, est = [], [], []
         grad = torch.enable_grad if mode != "fwd" else torch.no_grad
         with grad():
@@ -232,7 +134,7 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
                          "status": "ok", "reason": gone.get(name, "")})
         if paired in by_name:
             others = {name: x for name, x in by_name.items() if name != paired}
-            rows += paired_ratio_rows(row, "paired_ratio", paired, by_name[paired], others, how, gone)
+            rows += paired_ratio_rows(row, f"{prefix}paired_ratio", paired, by_name[paired], others, how, gone)
         del calls
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -269,19 +171,6 @@ def paired_ratio_rows(row: dict, metric: str, mine: str, my_samples: Sequence[fl
 
 def _spans(interval: tuple[float, float], bound: float) -> bool:
     return interval[0] <= bound <= interval[1]
-
-
-def outpaced(samples: Mapping[str, Sequence[float]], level: float = CI_LEVEL) -> dict[str, str]:
-    """Providers that another of ``samples`` (their turns in the same rounds) beats with ``level``
-    confidence: the confidence interval of the median of the other's time over theirs, round by round,
-    lies below 1. Each maps to the first such other."""
-    out = {}
-    for name, x in samples.items():
-        for other, y in samples.items():
-            if other != name and median_ci(round_ratios(y, x), level)[1] < 1:
-                out[name] = other
-                break
-    return out
 
 
 def _stats(q: Quantiles) -> dict:

@@ -36,14 +36,12 @@ class Clock:
 
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
-    """A ``Clock`` that the kernel manager's timing (``adaattn.attention.timing``) and the side-by-side
-    rounds (``adaattn_experiments.side_by_side``) read instead of the host's."""
-    import adaattn.attention.timing as timing
-    import adaattn_experiments.side_by_side as side_by_side
+    """A ``Clock`` that the side-by-side rounds (``adaattn.bench.rounds``, which the kernel manager and the
+    studies share) read instead of the host's."""
+    import adaattn.bench.rounds as rounds
 
     c = Clock()
-    monkeypatch.setattr(timing, "time", c)
-    monkeypatch.setattr(side_by_side, "time", c)
+    monkeypatch.setattr(rounds, "time", c)
     return c
 
 

@@ -41,9 +41,11 @@ def _masks(B, L, S):
             {"attn_mask": float_mask}, {"attn_mask": per_head}, {"attn_mask": float_mask, "key_padding_mask": kpm}]
 
 
+# every mask kind, both layouts, with weights (the matmul path) and without (the manager's backend)
+@pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("case", range(7))
-def test_matches_multihead_attention(batch_first, case):
+def test_matches_multihead_attention(batch_first, case, need_weights):
     mha, ada = _pair(batch_first, rank_mode="full")
     B, L, S = 2, 11, 13
     kw = _masks(B, L, S)[case]
@@ -53,9 +55,12 @@ def test_matches_multihead_attention(batch_first, case):
     leaves_a = [t.clone().requires_grad_() for t in (q, kv)]
     leaves_b = [t.clone().requires_grad_() for t in (q, kv)]
     o1, w1 = mha(leaves_a[0], leaves_a[1], leaves_a[1], need_weights=True, **kw)
-    o2, w2 = ada(leaves_b[0], leaves_b[1], leaves_b[1], need_weights=True, **kw)
+    o2, w2 = ada(leaves_b[0], leaves_b[1], leaves_b[1], need_weights=need_weights, **kw)
     torch.testing.assert_close(o2, o1, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(w2, w1, atol=1e-5, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(w2, w1, atol=1e-5, rtol=1e-5)
+    else:
+        assert w2 is None
     o1.square().sum().backward()
     o2.square().sum().backward()
     for a, b in zip(leaves_a, leaves_b, strict=True):
@@ -77,6 +82,33 @@ def _sdpa_ref(q, k, v, mask=None, causal=False):
                                           v.double().repeat_interleave(g, 1), attn_mask=mask, is_causal=causal)
 
 
+def test_defaults_weights_per_head_and_unbatched_inputs_are_multihead_attention_s():
+    """MHA's defaults (``out, w = attn(x, x, x)`` gives averaged weights), ``average_attn_weights=False`` and
+    unbatched (L, E) inputs with their (S,) padding and (heads, L, S) masks, in both layouts."""
+    for batch_first in (True, False):
+        mha, ada = _pair(batch_first, rank_mode="full")
+        x, kv = torch.randn(2, 6, E), torch.randn(2, 9, E)
+        if not batch_first:
+            x, kv = x.transpose(0, 1), kv.transpose(0, 1)
+        for kw in [{}, {"average_attn_weights": False}]:
+            (o1, w1), (o2, w2) = mha(x, kv, kv, **kw), ada(x, kv, kv, **kw)
+            torch.testing.assert_close(o2, o1, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(w2, w1, atol=1e-5, rtol=1e-5)
+        q1, kv1 = torch.randn(6, E), torch.randn(9, E)
+        kpm = torch.zeros(9, dtype=torch.bool)
+        kpm[-2:] = True
+        for kw in [{}, {"key_padding_mask": kpm}, {"attn_mask": torch.rand(H, 6, 9) < 0.2},
+                   {"need_weights": False, "attn_mask": torch.randn(6, 9)}, {"average_attn_weights": False}]:
+            (o1, w1), (o2, w2) = mha(q1, kv1, kv1, **kw), ada(q1, kv1, kv1, **kw)
+            assert o2.shape == (6, E)
+            torch.testing.assert_close(o2, o1, atol=1e-5, rtol=1e-5)
+            assert (w1 is None) == (w2 is None)
+            if w1 is not None:
+                torch.testing.assert_close(w2, w1, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unbatched query"):
+        ada(q1, kv, kv)
+
+
 def test_is_causal_needs_no_mask():
     mha, ada = _pair(rank_mode="full")
     x = torch.randn(2, 9, E)
@@ -85,8 +117,7 @@ def test_is_causal_needs_no_mask():
 
 
 def test_projections_read_the_current_parameters():
-    """The projections read parameters without nn.Module.__getattr__: a replaced or parametrized
-    weight is still the one used, on the first call and on a replayed one."""
+    """A replaced or parametrized weight is the one used, on the first call and on later ones."""
     from torch.nn.utils import parametrize
 
     class Double(nn.Module):
@@ -95,15 +126,15 @@ def test_projections_read_the_current_parameters():
 
     mha, ada = _pair(rank_mode="full")
     x = torch.randn(2, 7, E)
-    ada(x, x, x), ada(x, x, x)  # a replay plan exists
+    ada(x, x, x, need_weights=False)  # the policies have decided
     new = nn.Parameter(0.2 * torch.randn_like(ada.in_proj_weight))
     ada.in_proj_weight = new
     parametrize.register_parametrization(ada.out_proj, "weight", Double())
     with torch.no_grad():
         mha.in_proj_weight.copy_(new)
         mha.out_proj.weight.mul_(2)
-    for _ in range(2):  # every policy, then the replay
-        torch.testing.assert_close(ada(x, x, x)[0], mha(x, x, x)[0], atol=1e-4, rtol=1e-4)
+    for weights in (False, True):
+        torch.testing.assert_close(ada(x, x, x, need_weights=weights)[0], mha(x, x, x)[0], atol=1e-4, rtol=1e-4)
     x2 = torch.randn(2, 5, E)  # cross-attention: q, k and v projected apart, from slices of the weight
     torch.testing.assert_close(ada(x, x2, x2)[0], mha(x, x2, x2)[0], atol=1e-4, rtol=1e-4)
 
@@ -238,10 +269,10 @@ def test_rank_modes_pick_the_path():
     for mode, method, expect in [("full", "auto", "full"), (16, "auto", "low-rank nystrom 16"),
                                  (16, "nystrom", "low-rank nystrom 16"), (16, "pooled", "low-rank pooled 16")]:
         ada = AdaAttention(E, H, rank_mode=mode, low_rank_method=method, kernel_manager=AttentionKernelManager())
-        ada(x, x, x)
+        ada(x, x, x, need_weights=False)
         assert ada.get_statistics()["ranks"] == {expect: 1}
     ada = AdaAttention(E, H, rank_mode=16, kernel_manager=AttentionKernelManager())
-    ada(x, x, x, is_causal=True)  # no masked low-rank path: exact, and said so
+    ada(x, x, x, is_causal=True, need_weights=False)  # no masked low-rank path: exact, and said so
     stats = ada.get_statistics()
     assert stats["ranks"] == {"full": 1} and stats["low_rank_skipped"]
     # "auto": at initialisation, small logits make nearly uniform rows (a low estimate), but their
@@ -249,7 +280,7 @@ def test_rank_modes_pick_the_path():
     # larger make peaked rows (a high estimate): exact without trying
     for scale, tried in [(1, True), (10, False)]:
         auto = AdaAttention(E, H, rank_mode="auto", kernel_manager=AttentionKernelManager())
-        auto(x * scale, x * scale, x * scale)
+        auto(x * scale, x * scale, x * scale, need_weights=False)
         stats = auto.get_statistics()
         assert "full" in stats["ranks"] and any(r.startswith("estimated") for r in stats["ranks"]), stats["ranks"]
         assert any("sampled rows' relative error" in k for k in stats["low_rank_skipped"]) == tried, stats
@@ -300,7 +331,7 @@ def test_rank_policy_tries_the_pooled_path_first():
     for method, tried in [("auto", ["pooled", "nystrom"]), ("pooled", ["pooled"])]:
         ada = AdaAttention(E, H, rank_mode="auto", low_rank_method=method, min_low_rank_len=512,
                            kernel_manager=AttentionKernelManager())
-        ada(x, x, x)
+        ada(x, x, x, need_weights=False)
         (why,) = ada.get_statistics()["low_rank_skipped"]
         assert [m for m in ("pooled", "nystrom") if f"{m} " in why] == tried, why
 
@@ -343,22 +374,22 @@ def _low_rank_module(**kw) -> tuple[AdaAttention, torch.Tensor]:
 
 @pytest.mark.parametrize("faster", [True, False])
 def test_adaattention_times_its_low_rank_path_against_the_exact_one(monkeypatch, faster):
-    """rank_mode "auto": the module's call through the policy's low-rank path and through the manager's first
-    backend, timed by the manager (``time_calls``) on this call's inputs; the path runs only where it is
-    faster, and where it is not the reason says so with both times."""
-    manager = AttentionKernelManager(backends=["sdpa", "math"], call_budget_ms=0)
+    """rank_mode "auto": the policy's low-rank path and the manager's first backend, timed by the manager
+    (``time_ops``) on this call's inputs; the path runs only where it is faster, and where it is not the
+    reason says so with both times."""
+    manager = AttentionKernelManager(backends=["sdpa", "math"])
     ada, x = _low_rank_module(kernel_manager=manager)
     seen = {}
 
-    def time_calls(calls, device):
+    def time_ops(calls, device):
         seen.update(calls)
-        outs = {n: c() for n, c in calls.items()}  # each is the module's whole call with its path
-        assert all(o.shape == x.shape for o in outs.values())
+        outs = {n: c() for n, c in calls.items()}  # each is the attention op through its path
+        assert all(o.shape == (1, H, 1024, E // H) for o in outs.values())
         return {"low-rank": 1.0 if faster else 3.0, **{n: 2.0 for n in calls if n != "low-rank"}}
 
-    monkeypatch.setattr(manager, "time_calls", time_calls)
+    monkeypatch.setattr(manager, "time_ops", time_ops)
     with torch.no_grad():  # an inference signature: the forward is what is timed
-        ada(x, x, x)
+        ada(x, x, x, need_weights=False)
     exact = manager.rankings[next(iter(manager.rankings))][0]  # the manager ranked the exact path's backends
     assert set(seen) == {"low-rank", exact}
     stats = ada.get_statistics()
@@ -370,27 +401,27 @@ def test_adaattention_times_its_low_rank_path_against_the_exact_one(monkeypatch,
         assert f"3 ms per call, not faster than the exact path's {exact} (2 ms)" in why, why
     seen.clear()
     with torch.no_grad():
-        ada(x, x, x)  # the choice is kept: no second timing
+        ada(x, x, x, need_weights=False)  # the choice is kept: no second timing
     assert not seen and ada.get_statistics()["ranks"].get("full" if not faster else next(
         r for r in stats["ranks"] if r.startswith("low-rank"))) == 2
 
 
 def test_kernel_manager_times_calls_that_are_not_its_backends(monkeypatch):
-    """``time_calls``: ms per call of each, by the manager's objective; one that fails is left out, with a
-    fallback noted. Without the manager (enable_gpu_optimization=False) the exact side is SDPA."""
-    manager = AttentionKernelManager(backends=["sdpa"], call_budget_ms=50)
+    """``time_ops``: ms per call of each, as rankings are timed; one that fails is left out, with a fallback
+    noted. Without the manager (enable_gpu_optimization=False) the exact side is SDPA."""
+    manager = AttentionKernelManager(backends=["sdpa"])
     a = torch.randn(64, 64)
 
     def boom():
         raise RuntimeError("no")
 
-    times = manager.time_calls({"mm": lambda: a @ a, "add": lambda: a + a, "boom": boom}, torch.device("cpu"))
+    times = manager.time_ops({"mm": lambda: a @ a, "add": lambda: a + a, "boom": boom}, torch.device("cpu"))
     assert set(times) == {"mm", "add"} and all(0 < t < 1e3 for t in times.values())
     assert any(b == "boom" and "rejected while measuring: RuntimeError: no" in r for b, r in manager.fallbacks)
     ada, x = _low_rank_module(kernel_manager=manager, enable_gpu_optimization=False)
     names = []
-    monkeypatch.setattr(manager, "time_calls", lambda calls, device: names.extend(calls) or {"low-rank": 2, "sdpa": 1})
-    ada(x, x, x)
+    monkeypatch.setattr(manager, "time_ops", lambda calls, device: names.extend(calls) or {"low-rank": 2, "sdpa": 1})
+    ada(x, x, x, need_weights=False)
     assert names == ["low-rank", "sdpa"] and not manager.rankings  # the manager ranked nothing
     (why,) = ada.get_statistics()["low_rank_skipped"]
     assert "not faster than the exact path's sdpa (1 ms)" in why, why
@@ -432,11 +463,11 @@ def test_pooled_attention_is_exact_on_keys_equal_within_segments(monkeypatch):
 def test_setting_a_rank_policy_attribute_drops_its_cached_choices():
     x = torch.randn(1, 1024, E)
     ada = AdaAttention(E, H, rank_mode="auto", min_low_rank_len=512, kernel_manager=AttentionKernelManager())
-    ada(x, x, x)
+    ada(x, x, x, need_weights=False)
     assert ada._rank_choice
     ada.low_rank_method = "pooled"
     assert not ada._rank_choice
-    ada(x, x, x)
+    ada(x, x, x, need_weights=False)
     (why,) = [w for w in ada.get_statistics()["low_rank_skipped"] if "nystrom" not in w]
     assert "pooled" in why
 
@@ -479,7 +510,8 @@ def test_ada_attention_on_cuda_auto_precision():
     ada.load_state_dict(mha.state_dict())
     x = torch.randn(2, 512, 256, device="cuda")
     for kw in [{}, {"key_padding_mask": torch.rand(2, 512, device="cuda") < 0.1}]:
-        torch.testing.assert_close(ada(x, x, x, **kw)[0], mha(x, x, x, **kw)[0], atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(ada(x, x, x, need_weights=False, **kw)[0], mha(x, x, x, **kw)[0], atol=3e-2,
+                                   rtol=3e-2)
     stats = ada.get_statistics()
     assert stats["precisions"] == {"bfloat16": 2}  # Hopper / Ampere: bf16 compute from fp32 parameters
     assert stats["total_calls"] == 2 and set(stats["calls"]) <= set(BACKENDS), stats

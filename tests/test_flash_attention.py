@@ -36,10 +36,12 @@ def test_adaptive_flash_attention_as_the_guide_calls_it():
     x = torch.randn(2, 24, 64)
     for causal in (False, True):
         mask = torch.ones(24, 24, dtype=torch.bool).triu(1) if causal else None
-        out, weights = attn(x, x, x, is_causal=causal)
+        out, weights = attn(x, x, x, need_weights=False, is_causal=causal)
         ref = mha(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal)[0]
         assert weights is None and torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
-    attn(x, x, x)
+    attn(x, x, x, need_weights=False)
+    out, weights = attn(x, x, x)  # nn.MultiheadAttention's default: weights, through the matmul path (not counted)
+    assert weights.shape == (2, 24, 24)
     stats = attn.get_flash_statistics()
     assert stats["flash_calls"] + stats["other_calls"] == sum(stats["calls"].values()) == 3
     assert set(stats["calls"]) <= {"sdpa", "math"} and stats["fallbacks"] == []
@@ -49,19 +51,19 @@ def test_adaptive_flash_attention_as_the_guide_calls_it():
 
 
 def test_adaptive_flash_attention_takes_a_config_and_overrides_it():
-    config = FlashAttentionConfig(precision_mode="fp32", backends=["sdpa"], objective="gpu")
+    config = FlashAttentionConfig(precision_mode="fp32", backends=["sdpa"])
     attn = AdaptiveFlashAttention(64, 4, config, rank_mode="auto")
-    assert attn.config == FlashAttentionConfig(precision_mode="fp32", rank_mode="auto", backends=("sdpa",),
-                                               objective="gpu")
+    assert attn.config == FlashAttentionConfig(precision_mode="fp32", rank_mode="auto", backends=("sdpa",))
     assert attn.rank_mode == "auto" and attn.precision.mode == "fp32"
-    assert attn.manager.objective == "gpu" and attn.manager is config.manager()  # one manager per config
+    assert attn.manager.backends == ["sdpa"] and attn.manager is config.manager()  # one manager per config
     assert FlashAttentionConfig().manager() is AdaAttention(64, 4).manager  # the shared one
 
 
 def test_adaptive_flash_attention_without_flash_runs_sdpa_outside_the_manager():
     attn, mha = _pair(enable_flash=False, backends=("math",))
     x = torch.randn(1, 16, 64)
-    assert torch.allclose(attn(x, x, x)[0], mha(x, x, x, need_weights=False)[0], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(attn(x, x, x, need_weights=False)[0], mha(x, x, x, need_weights=False)[0], atol=1e-5,
+                          rtol=1e-5)
     stats = attn.get_flash_statistics()
     assert stats["calls"] == {} and stats["flash_calls"] == stats["other_calls"] == 0
     assert attn.get_statistics()["ranks"] == {"full": 1}
@@ -74,7 +76,6 @@ def test_adaptive_flash_attention_without_flash_runs_sdpa_outside_the_manager():
     ({"dropout": 1.0}, r"dropout must be a number in \[0, 1\)"),
     ({"dropout": "0.1"}, r"dropout must be a number in \[0, 1\)"),
     ({"enable_flash": 1}, "enable_flash must be True or False"),
-    ({"objective": "fast"}, "objective 'fast' is not one of: call, gpu"),
     ({"backends": ("sdpa", "flash3")}, "backends: unknown 'flash3'; allowed: flash_attn, .*, math"),
     ({"backends": "sdpa"}, "backends must be a non-empty sequence"),
     ({"backends": ()}, "backends must be a non-empty sequence"),

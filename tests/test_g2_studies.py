@@ -48,6 +48,9 @@ def _run(study, params):
 @pytest.mark.parametrize("key, value, message", [
     ("G2-B.cpu.providers", ["mha", "direct:nope"], "allowed: mha, standard"),
     ("G2-B.cpu.manager_backends", ["sdpa", "cuda_magic"], "allowed: flash_attn"),
+    ("G2-B.cpu.compiled_backends", ["sdpa", "warp"], "allowed: flash_attn"),
+    ("G2-B.cpu.compile_mode", "fast", "reduce-overhead"),
+    ("G2-B.cpu.stack", {"layers": 0}, "layers"),
     ("G2-T3.cpu.precisions", ["fp16", "bf16"], "must include fp32"),
     ("G2-T3.cpu.heads", 3, "must divide embed_dim"),
     ("G2-C1.cpu.cluster_layouts", ["diagonal"], "spread"),
@@ -112,9 +115,15 @@ def test_module_providers_share_weights_and_match_the_float64_module(tmp_path):
     err = df[(df.metric == "rel_l2")]
     assert set(err.provider) == set(params.g2_b.cpu.providers) and (err.value < 1e-5).all(), err[["provider", "value"]]
     ranking = df[df.metric == "manager_ranking"]
-    assert len(ranking) and ranking.kernel.str.contains(" > ").all()
-    looks = df[df.metric == "manager_looks"]  # the paired rounds' first look at least, of signatures ranked
-    assert len(looks) and set(looks.case_id) <= set(ranking.case_id) and looks.kernel.str.startswith("0 s: ").all()
+    assert len(ranking) and ranking.kernel.str.contains(" > ").all() and (ranking.value > 0).all()
+    # the first call of each new signature: adaattn's (it ranks the backends), then the chosen backend's direct
+    first = df[df.metric == "first_call_s"]
+    assert len(first.groupby(["case_id", "mode"])) == 2 * 2 * 2 and (first.value > 0).all()
+    for (case, mode), g in first.groupby(["case_id", "mode"]):
+        (direct,) = [p for p in g.provider if p != "adaattn"]
+        sig = ranking[ranking.kernel.str.startswith(direct.removeprefix("direct:") + " ")]
+        assert "adaattn" in set(g.provider) and direct.startswith("direct:") and len(sig), (case, mode, direct)
+    assert (df[df.metric == "first_call_measure_s"].value > 0).all()
     # the 3% goal's time per call, side by side: adaattn and the direct backends of every shape and mode
     side = df[df.metric == "side_by_side_ms"]
     groups = side.groupby(["case_id", "mode"])["provider"].apply(set)
@@ -139,34 +148,9 @@ def test_module_providers_share_weights_and_match_the_float64_module(tmp_path):
     from adaattn_experiments.ada_modules_report import render
 
     g2_b = render("scaling", df, tmp_path)[0]
-    bases = [v.measured.split(":")[0] for v in g2_b.verdicts if v.claim.startswith("goal:")]
-    assert any("time per call, side by side" in b for b in bases), bases
-    assert "adaattn / fastest direct, per round" in g2_b.markdown
-    # the host's speed through the run: probes before the study's steps, in the report and the per-call verdict
-    probes = df[df.metric == "host_probe_ms"]
-    assert len(probes) and (probes.value > 0).all() and probes.reason.iloc[0].startswith("0 s after the first probe, before G2-B/")
-    assert "### The host's speed through the run" in g2_b.markdown
-    per_call = [v for v in g2_b.verdicts if v.claim.startswith("goal:") and "side by side" in v.measured]
-    assert per_call and all("the host probe's slowest was" in v.reason for v in per_call)
-
-
-def test_host_probe_is_taken_at_most_every_few_seconds_and_summed_up_per_target():
-    from adaattn_experiments import ada_modules as am
-    from adaattn_experiments.ada_modules_report import host_probes
-
-    study = am.SCALING.bind("cpu")
-    study._probe("a")
-    study._probe("b")
-    assert [p[2] for p in study._probes] == ["a"]
-    study._t0 -= am.HOST_PROBE_EVERY_S  # as if that long had passed since the first
-    study._probe("c")
-    assert [p[2] for p in study._probes] == ["a", "c"] and all(p[1] > 0 for p in study._probes)
-    rows = pd.DataFrame({"target": ["h100"] * 3 + ["cpu"], "metric": "host_probe_ms", "value": [2.0, 5.0, 3.0, 1.0],
-                         "reason": ["0 s after", "7 s after", "12 s after", "0 s after"]})
-    t = host_probes(rows).set_index("target")
-    assert t.loc["h100", "probes"] == 3 and float(t.loc["h100", "slowest / fastest"]) == 2.5
-    assert float(t.loc["h100", "over s"]) == 12 and float(t.loc["h100", "median ms"]) == 3.0
-    assert t.loc["cpu", "probes"] == 1 and float(t.loc["cpu", "slowest / fastest"]) == 1.0
+    claims = [v.claim for v in g2_b.verdicts]
+    assert any("time per call, eager" in c for c in claims) and any("first call" in c for c in claims), claims
+    assert "### First call of a new signature" in g2_b.markdown and "| eager " in g2_b.markdown
 
 
 def test_rank_study_policy_estimators_and_oracle(monkeypatch):
@@ -179,11 +163,11 @@ def test_rank_study_policy_estimators_and_oracle(monkeypatch):
 
     timed = []
 
-    def time_calls(self, calls, device):
+    def time_ops(self, calls, device):
         timed.append([n for n, c in calls.items() if c() is not None])
         return {n: 1.0 if n == "low-rank" else 2.0 for n in calls}
 
-    monkeypatch.setattr(AttentionKernelManager, "time_calls", time_calls)
+    monkeypatch.setattr(AttentionKernelManager, "time_ops", time_ops)
     params, _ = _params(**{"G2-C1.cpu.seq_lens": [256], "G2-C1.cpu.true_ranks": [8], "G2-C1.cpu.ranks": [8, 16, 32],
                            "G2-C1.cpu.exact_providers": ["sdpa"]})
     df = _run(STUDY, params)
@@ -345,113 +329,120 @@ def test_scaling_goal_per_call_is_the_highest_per_round_ratio():
     assert (goal["ci_low"] == -math.inf).all() and (goal["ci_high"] == math.inf).all()  # no bounds: unbounded
 
 
-def test_scaling_goal_per_call_is_decided_by_the_medians_confidence_intervals():
+def _ratio_rows(case, provider, value, lo, hi, metric="paired_ratio", target="h100", reason=""):
+    base = {"target": target, "hardware": target.upper(), "case_id": case, "mode": "fwd", "batch": 1, "seq_len": 512,
+            "status": "ok", "provider": provider, "p20": value - 0.01, "p80": value + 0.01, "reason": reason}
+    return [base | {"metric": metric, "value": value}, base | {"metric": f"{metric}_ci_low", "value": lo},
+            base | {"metric": f"{metric}_ci_high", "value": hi}]
+
+
+def test_scaling_goal_is_decided_by_the_medians_confidence_intervals():
     """A shape is above 1.03 where the interval of its median lies above, within where it lies below (against
     every direct backend: the highest bounds), undecided where it spans 1.03; one shape above: the goal
     does not hold; none above and one undecided: inconclusive; all within: holds."""
-    from adaattn_experiments.ada_modules_report import GOAL_TIMES, _goal_verdicts, _paired_goal, _scaling_goal_rows
+    from adaattn_experiments.ada_modules_report import _goal_table, _paired_goal
 
-    def rows(case, provider, value, lo, hi):
-        base = {"target": "h100", "case_id": case, "mode": "fwd", "batch": 1, "seq_len": 512, "status": "ok",
-                "provider": provider, "p20": value - 0.01, "p80": value + 0.01}
-        return [base | {"metric": "paired_ratio", "value": value},
-                base | {"metric": "paired_ratio_ci_low", "value": lo},
-                base | {"metric": "paired_ratio_ci_high", "value": hi}]
-
-    above = rows("a", "direct:sdpa", 1.06, 1.04, 1.08) + rows("a", "direct:math", 0.5, 0.4, 0.6)
+    above = _ratio_rows("a", "direct:sdpa", 1.06, 1.04, 1.08) + _ratio_rows("a", "direct:math", 0.5, 0.4, 0.6)
     # b's median is highest against sdpa, but the widest bounds are cudnn's: it spans 1.03
-    open_ = rows("b", "direct:sdpa", 1.02, 1.01, 1.025) + rows("b", "direct:sdpa_cudnn", 1.01, 0.98, 1.04)
-    within = rows("c", "direct:sdpa", 1.0, 0.99, 1.01)
+    open_ = _ratio_rows("b", "direct:sdpa", 1.02, 1.01, 1.025) + _ratio_rows("b", "direct:sdpa_cudnn", 1.01, 0.98, 1.04)
+    within = _ratio_rows("c", "direct:sdpa", 1.0, 0.99, 1.01)
     goal = _paired_goal(pd.DataFrame(above + open_ + within)).set_index("case_id")
     assert goal.loc["b", "vs"] == "direct:sdpa" and (goal.loc["b", "ci_low"], goal.loc["b", "ci_high"]) == (1.01, 1.04)
 
-    def verdict(frame_rows):
-        t = pd.DataFrame({"target": ["h100"], "hardware": ["H100"]})
-        (g,) = _scaling_goal_rows(pd.DataFrame(frame_rows))
-        assert g["time"] == GOAL_TIMES["paired_ratio"]
-        (v,) = _goal_verdicts([g], t)
-        return g, v
+    def verdict(rows):
+        _, (v,) = _goal_table(pd.DataFrame(rows), {})  # no kernel / host: every shape counts (as on a CPU)
+        return v
 
-    g, v = verdict(above + open_ + within)
-    assert (g["above 1.03"], g["undecided"], v.verdict) == (1, 1, "does not hold")
-    g, v = verdict(open_ + within)
-    assert (g["above 1.03"], g["undecided"], v.verdict) == (0, 1, "inconclusive") and "undecided" in v.measured
-    g, v = verdict(within)
-    assert (g["above 1.03"], g["undecided"], v.verdict) == (0, 0, "holds")
+    v = verdict(above + open_ + within)
+    assert v.verdict == "does not hold" and v.measured.startswith("1 of 3 shapes x modes above 1.03, 1 undecided")
+    assert verdict(open_ + within).verdict == "inconclusive"
+    assert verdict(within).verdict == "holds"
 
 
-def test_scaling_times_the_goal_again_under_host_load(tmp_path, monkeypatch):
-    """Where host loads are set, the goal's providers take side-by-side rounds once more per load, every call
-    preceded by that much host work (so no call of a loaded round is shorter than the load); the goal's own
-    rounds are load 0, and the report keeps them apart."""
+def test_eager_time_per_call_is_judged_at_gpu_bound_shapes_kernel_and_compiled_time_at_every_shape():
+    """On a GPU, the eager time-per-call goal counts a shape only where the fastest direct call's kernel time is
+    at least 3x its host time (from the sweep's rows); a host-bound shape above the bound is reported, without a
+    goal. Kernel time and compiled time per call count every shape."""
+    from adaattn_experiments.ada_modules_report import _goal_table, gpu_bound
+
+    def sweep(case, kernel, host):
+        base = {"target": "h100", "hardware": "H100", "case_id": case, "mode": "fwd", "batch": 1, "seq_len": 512,
+                "sweep": "seq", "causal": False, "status": "ok"}
+        return [base | {"provider": "direct:sdpa", "metric": m, "value": v}
+                for m, v in (("time_ms", max(kernel, host)), ("kernel_ms", kernel), ("host_ms", host))]
+
+    rows = (sweep("gpu", 3.0, 0.5) + sweep("host", 0.02, 0.1)
+            + _ratio_rows("gpu", "direct:sdpa", 1.0, 0.99, 1.01) + _ratio_rows("host", "direct:sdpa", 1.2, 1.1, 1.3)
+            + _ratio_rows("host", "direct:sdpa", 1.2, 1.1, 1.3, metric="goal_kernel_paired_ratio")
+            + _ratio_rows("host", "compiled:direct:sdpa", 1.0, 0.99, 1.01, metric="compiled_paired_ratio"))
+    runs = pd.DataFrame(rows)
+    bound = gpu_bound(runs)
+    assert bound == pytest.approx({("h100", "gpu", "fwd"): 6.0, ("h100", "host", "fwd"): 0.2})
+    table, verdicts = _goal_table(runs, bound)
+    by = {v.claim.split(", ", 1)[1]: v for v in verdicts}
+    eager = by["time per call, eager, side by side (shuffled rounds)"]
+    assert eager.verdict == "holds" and eager.measured.startswith("0 of 1 shapes") and "GPU-bound" in eager.reason
+    assert "(host-bound: no goal)" in table.set_index("kernel / host").loc["0.2", "eager"]
+    assert by["kernel time, eager (the calls interleaved in one profiler trace)"].verdict == "does not hold"
+    compiled = by["time per call, compiled whole (mode in the table), side by side"]
+    assert compiled.verdict == "holds" and "vs sdpa" in table.set_index("kernel / host").loc["0.2", "compiled"]
+
+
+def test_first_calls_and_the_stack_check_are_judged_on_their_bounds():
+    from adaattn_experiments.ada_modules_report import _first_calls, _stack
+
+    base = {"target": "h100", "hardware": "H100", "mode": "fwd", "batch": 1, "seq_len": 512, "status": "ok"}
+    rows = [base | {"case_id": c, "provider": p, "metric": m, "value": v}
+            for c, p, m, v in (("a", "adaattn", "first_call_s", 0.4), ("a", "direct:sdpa_cudnn", "first_call_s", 0.1),
+                               ("a", "adaattn", "first_call_measure_s", 0.25),
+                               ("b", "adaattn", "first_call_s", 0.9), ("b", "direct:sdpa", "first_call_s", 0.3))]
+    table, (v,) = _first_calls(pd.DataFrame(rows))
+    assert v.verdict == "does not hold" and v.measured.startswith("1 of 2 shapes x modes over; worst 0.600 s")
+    assert list(table["difference s"]) == ["0.3", "0.6"]
+    _, (v,) = _first_calls(pd.DataFrame(rows[:3]))
+    assert v.verdict == "holds"
+    stack = [base | {"case_id": "G2-B/stack-12x", "mode": "fwd_bwd", "provider": p, "metric": "stack_side_by_side_ms",
+                     "value": ms} for p, ms in (("stack:adaattn", 20.0), ("stack:sdpa", 20.1))]
+    for lo, hi, expect in ((0.99, 1.01, "holds"), (1.01, 1.03, "inconclusive"), (1.03, 1.05, "does not hold")):
+        ratio = _ratio_rows("G2-B/stack-12x", "stack:sdpa", (lo + hi) / 2, lo, hi, metric="stack_paired_ratio")
+        _, (v,) = _stack(pd.DataFrame(stack + [r | {"mode": "fwd_bwd"} for r in ratio]))
+        assert v.verdict == expect, (lo, hi, v)
+
+
+def test_scaling_compiles_the_goal_and_the_stack_where_set(tmp_path, monkeypatch):
+    """With compiled_backends and a stack set (here on the CPU, inductor's default mode), the compiled goal's
+    providers and the stack's take side-by-side rounds of their own, and the report judges both."""
     from adaattn_experiments.ada_modules import SCALING, ModuleStudy
     from adaattn_experiments.ada_modules_report import render
 
-    monkeypatch.setattr(ModuleStudy, "host_loads_us", {("G2-B", "cpu"): (2000.0,)})
-    monkeypatch.setattr(ModuleStudy, "host_load_rounds", (3, 4))
     monkeypatch.setattr(ModuleStudy, "side_by_side_rounds", {("G2-B", "cpu"): (3, 4)})
-    params, _ = _params(**{"G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 32,
-                           "G2-B.cpu.embed_dim": 64, "G2-B.cpu.modes": ["fwd"]})
+    monkeypatch.setattr(ModuleStudy, "stack_rounds", (3, 4))
+    params, _ = _params(**{"G2-B.cpu.seq_lens": [32], "G2-B.cpu.batches": [1], "G2-B.cpu.batch_sweep_seq_len": 32,
+                           "G2-B.cpu.embed_dim": 32, "G2-B.cpu.modes": ["fwd_bwd"],
+                           "G2-B.cpu.providers": ["adaattn", "direct:sdpa", "direct:sdpa_flash", "direct:sdpa_math",
+                                                  "direct:math"],
+                           "G2-B.cpu.compiled_backends": ["sdpa", "xformers"], "G2-B.cpu.compile_mode": "default",
+                           "G2-B.cpu.stack": {"layers": 2, "embed_dim": 32, "heads": 4, "mlp_ratio": 2, "batch": 1,
+                                              "seq_len": 16, "dtype": "fp32"}})
     df = _run(SCALING, params)
-    rounds = df[df.metric == "side_by_side_ms"]  # a provider pruned (too slow in warm-up) at one load has a row too
-    assert set(rounds.host_load_us) == {0.0, 2000.0}
-    by_load = rounds.groupby("host_load_us")
-    assert by_load["case_id"].apply(set)[0.0] == by_load["case_id"].apply(set)[2000.0]  # every goal shape, both
-    assert by_load["provider"].apply(set)[0.0] == by_load["provider"].apply(set)[2000.0]
-    side = rounds[rounds.status == "ok"]
-    assert (side[side.host_load_us == 2000.0].value >= 2.0).all()  # ms: the load is in every call
-    assert df[df.metric == "time_ms"].host_load_us.isna().all()  # the sweep's own rows carry no load
-    assert set(df[df.metric == "paired_ratio"].host_load_us) == {0.0, 2000.0}
+    comp = df[df.metric == "compiled_side_by_side_ms"]
+    assert set(comp.provider) == {"compiled:adaattn", "compiled:direct:sdpa"}  # xformers: not here, not traced
+    assert (comp.status == "ok").all() and (comp.kernel == "default").all()
+    assert set(df[df.metric == "compiled_paired_ratio"].provider) == {"compiled:direct:sdpa"}
+    stack = df[df.metric == "stack_side_by_side_ms"]
+    assert set(stack.provider) == {"stack:adaattn", "stack:sdpa"} and (stack.status == "ok").all()
     g2_b = render("scaling", df, tmp_path)[0]
-    under_md = g2_b.markdown.split("### Goal under host load")[1].split("###")[0]
-    assert re.search(r"\|\s+0 us\s+\|\s+2000 us\s+\|", under_md), under_md
-    under = [v for v in g2_b.verdicts if "under host load (2000 us" in v.claim]
-    assert len(under) == 1 and "(shape, mode, load) points" in under[0].measured
-    # the goal's own verdict counts load 0 only: one ratio per shape and mode
-    per_call = [v for v in g2_b.verdicts if v.claim.endswith("called directly") and "side by side" in v.measured]
-    assert len(per_call) == 1 and " of 2 above" in per_call[0].measured
+    claims = [v.claim for v in g2_b.verdicts]
+    assert any("compiled whole" in c for c in claims) and any(c.startswith("stack check") for c in claims), claims
 
 
-def test_module_study_lets_its_managers_look_again_only_in_side_by_side_warm_ups(monkeypatch):
-    """A manager's later look (paired rounds again) would count as a call's time and memory: the module studies
-    hold the looks through the sweep's measured calls and the side-by-side rounds, and let them run only in the
-    one call ``_warm_setup`` makes before a provider's side-by-side warm-up."""
-    import adaattn_experiments.ada_modules as am
-    from adaattn.attention.kernel_manager import AttentionKernelManager
-
-    asked, inside = [], {"warm": False}
-    ranking, warm_setup = AttentionKernelManager.ranking, am.ModuleStudy._warm_setup
-
-    def spy_ranking(self, *a, **k):
-        asked.append((self.hold_looks, inside["warm"]))
-        return ranking(self, *a, **k)
-
-    def spy_warm_setup(self, *a, **k):
-        inside["warm"] = True
-        try:
-            return warm_setup(self, *a, **k)
-        finally:
-            inside["warm"] = False
-
-    monkeypatch.setattr(AttentionKernelManager, "ranking", spy_ranking)
-    monkeypatch.setattr(am.ModuleStudy, "_warm_setup", spy_warm_setup)
-    params, _ = _params(**{"G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 64,
-                           "G2-B.cpu.embed_dim": 64, "G2-B.cpu.causal": [False]})
-    study = am.SCALING.bind("cpu")
-    Harness("cpu", CpuTimer(1, 2), Ceilings(10.0, 1.0, "fp32", 64)).run(study, study.cases(params, params.targets["cpu"]))
-    study.extra_rows(params, params.targets["cpu"])
-    assert any(not held for held, _ in asked) and all(held or warm for held, warm in asked)
-    assert study._managers and all(m.hold_looks for m in study._managers.values())
-
-
-def test_scaling_takes_the_kernel_time_goal_for_a_manager_ranking_by_gpu_time(tmp_path, monkeypatch):
-    """Where the check is set (the GPU; here the CPU, with the kernel trace replaced: it needs CUDA), adaattn_gpu
-    (a manager made with objective "gpu") and every direct backend get one trace per shape and mode: a
-    goal_kernel_ms row each, adaattn_gpu's naming the backend its manager ranked first, that manager's rankings
-    among the manager rows, and a kernel-time verdict of its own."""
+def test_scaling_takes_the_kernel_time_goal(tmp_path, monkeypatch):
+    """Where the check is set (the GPU; here the CPU, with the kernel trace replaced: it needs CUDA), adaattn and
+    every direct backend get one trace per shape and mode: a goal_kernel_ms row each, adaattn's naming the backend
+    its manager ranked first, and adaattn's over each backend's round by round with its median's interval."""
     import adaattn_experiments.ada_modules as mod
     from adaattn_experiments.ada_modules import SCALING, ModuleStudy
-    from adaattn_experiments.ada_modules_report import GOAL_TIMES, render
+    from adaattn_experiments.ada_modules_report import render
 
     traced = []
 
@@ -462,7 +453,7 @@ def test_scaling_takes_the_kernel_time_goal_for_a_manager_ranking_by_gpu_time(tm
         return KernelTrace([[1.0 + i] * calls for i in range(len(fns))])
 
     monkeypatch.setattr(mod, "kernel_times_ms", fake_trace)
-    monkeypatch.setattr(ModuleStudy, "gpu_objective", frozenset({("G2-B", "cpu")}))
+    monkeypatch.setattr(ModuleStudy, "kernel_goal", frozenset({("G2-B", "cpu")}))
     monkeypatch.setattr(ModuleStudy, "side_by_side_rounds", {("G2-B", "cpu"): (3, 4)})
     params, _ = _params(**{"G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 32,
                            "G2-B.cpu.embed_dim": 64})
@@ -470,12 +461,11 @@ def test_scaling_takes_the_kernel_time_goal_for_a_manager_ranking_by_gpu_time(tm
     goal = df[df.metric == "goal_kernel_ms"]
     direct = sorted(p for p in params.g2_b.cpu.providers if p.startswith("direct:"))
     for (case, mode), g in goal.groupby(["case_id", "mode"]):
-        assert sorted(g.provider) == sorted(["adaattn_gpu", *direct]), (case, mode)
+        assert sorted(g.provider) == sorted(["adaattn", *direct]), (case, mode)
         assert (g.status == "ok").all()
-        assert g[g.provider == "adaattn_gpu"].value.item() == 1.0  # listed first in its trace
-        assert g[g.provider == "adaattn_gpu"].kernel.item() in params.g2_b.cpu.manager_backends
+        assert g[g.provider == "adaattn"].value.item() == 1.0  # listed first in its trace
+        assert g[g.provider == "adaattn"].kernel.item() in {p.removeprefix("direct:") for p in direct}
     assert len(traced) == goal.groupby(["case_id", "mode"]).ngroups == 4  # two shapes x fwd, fwd_bwd
-    # adaattn_gpu's kernel time over each direct backend's, round by round, with its median's interval
     paired = df[df.metric.str.startswith("goal_kernel_paired_ratio")]
     for (case, mode), g in paired.groupby(["case_id", "mode"]):
         order = goal[(goal.case_id == case) & (goal["mode"] == mode)].provider.tolist()  # the trace's order
@@ -483,99 +473,9 @@ def test_scaling_takes_the_kernel_time_goal_for_a_manager_ranking_by_gpu_time(tm
             r = g[g.provider == p].set_index("metric").value
             assert r["goal_kernel_paired_ratio"] == pytest.approx(1 / (1 + i))
             assert r["goal_kernel_paired_ratio_ci_low"] == r["goal_kernel_paired_ratio_ci_high"] == pytest.approx(1 / (1 + i))
-    ranked = df[df.metric == "manager_ranking"]
-    assert set(ranked.provider) == {"adaattn", "adaattn_gpu"}
-    assert ranked[ranked.provider == "adaattn_gpu"].unit.str.contains("ranked by gpu").all()
     g2_b = render("scaling", df, tmp_path)[0]
-    gpu = [v for v in g2_b.verdicts if "objective gpu" in v.claim]
-    assert len(gpu) == 1 and gpu[0].measured.startswith(GOAL_TIMES["goal_kernel_ms"])
-    assert gpu[0].verdict == "holds" and " 0 of 4 above" in gpu[0].measured  # 1 ms against the directs' 2 ms and up
-    assert gpu[0].reason.startswith("a shape is above where the 95% confidence interval of the median over the rounds")
-    assert "| adaattn_gpu " in g2_b.markdown  # its rankings, in the manager table
-
-
-def test_kernel_time_goal_is_decided_on_the_rounds_interval(tmp_path, monkeypatch):
-    """adaattn_gpu's kernel time over the fastest direct backend's, 1.06 in 16 of 30 rounds and 1.00 in 14: its
-    median (1.06) is above the bound, but the interval of the median of the per-round ratios spans it, so the
-    shapes are undecided and the verdict inconclusive, not "does not hold"."""
-    import adaattn_experiments.ada_modules as mod
-    from adaattn_experiments.ada_modules import SCALING, ModuleStudy
-    from adaattn_experiments.ada_modules_report import render
-
-    def fake_trace(fns, calls):
-        assert calls == ModuleStudy.goal_kernel_calls == 30
-        for f in fns:
-            f()
-        mine = [1.06 if j % 15 < 8 else 1.0 for j in range(calls)]  # 16 x 1.06, 14 x 1.00
-        return KernelTrace([mine] + [[1.0 + i] * calls for i in range(len(fns) - 1)])
-
-    monkeypatch.setattr(mod, "kernel_times_ms", fake_trace)
-    monkeypatch.setattr(ModuleStudy, "gpu_objective", frozenset({("G2-B", "cpu")}))
-    monkeypatch.setattr(ModuleStudy, "side_by_side_rounds", {("G2-B", "cpu"): (3, 4)})
-    params, _ = _params(**{"G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 64,
-                           "G2-B.cpu.embed_dim": 64, "G2-B.cpu.modes": ["fwd"]})
-    df = _run(SCALING, params)
-    goal = df[df.metric == "goal_kernel_ms"]
-    assert (goal[goal.provider == "adaattn_gpu"].value / goal[goal.provider != "adaattn_gpu"].groupby(
-        goal.case_id).value.min().values > 1.03).all()  # by the medians alone: above
-    gpu = [v for v in render("scaling", df, tmp_path)[0].verdicts if "objective gpu" in v.claim]
-    assert len(gpu) == 1 and gpu[0].verdict == "inconclusive", gpu
-    n = goal.case_id.nunique()
-    assert f" 0 of {n} above 1.03, {n} undecided" in gpu[0].measured
-
-
-def test_goal_under_host_load_finds_whether_one_backend_holds_at_every_load():
-    """Per shape: adaattn's ratio to the fastest direct backend at each load, and the backend whose worst
-    ratio to the fastest over the loads is lowest, from the paired ratios (not the backends' median times: a
-    backend that left the rounds early has its median from other rounds than the rest); where even that one
-    is above 1.03, the goal's verdict says no backend holds the bound at every load at that shape."""
-    from adaattn_experiments.ada_modules_report import GOAL_TIMES, _goal_verdicts, _load_rows, _load_verdicts
-    from adaattn_experiments.ada_modules_report import _scaling_goal_rows
-
-    def group(case, load, ms, ratio):  # ms: direct backend -> median; ratio: adaattn over each (p50, ci_lo, ci_hi)
-        base = {"target": "h100", "case_id": case, "mode": "fwd", "batch": 16, "seq_len": 1024, "status": "ok",
-                "host_load_us": load, "p20": 0.0, "p80": 9.0}
-        out = [base | {"metric": "side_by_side_ms", "provider": p, "value": v} for p, v in ms.items()]
-        for p, (v, lo, hi) in ratio.items():
-            out += [base | {"metric": "paired_ratio", "provider": p, "value": v},
-                    base | {"metric": "paired_ratio_ci_low", "provider": p, "value": lo},
-                    base | {"metric": "paired_ratio_ci_high", "provider": p, "value": hi}]
-        return out
-
-    # "flip": cuDNN fastest without load, flash 5% ahead of it at 200 us: no backend within 3% at both
-    flip = (group("flip", 0.0, {"direct:sdpa_cudnn": 0.148, "direct:sdpa_flash": 0.193},
-                  {"direct:sdpa_cudnn": (1.06, 1.05, 1.07), "direct:sdpa_flash": (0.81, 0.8, 0.82)})
-            + group("flip", 200.0, {"direct:sdpa_cudnn": 0.42, "direct:sdpa_flash": 0.40},
-                    {"direct:sdpa_cudnn": (1.0, 0.99, 1.01), "direct:sdpa_flash": (1.05, 1.04, 1.06)}))
-    # "steady": efficient within 2% of the fastest at both loads
-    steady = (group("steady", 0.0, {"direct:sdpa_efficient": 0.102, "direct:sdpa_flash": 0.100},
-                    {"direct:sdpa_efficient": (1.0, 0.99, 1.01), "direct:sdpa_flash": (1.01, 1.0, 1.02)})
-              + group("steady", 200.0, {"direct:sdpa_efficient": 0.30, "direct:sdpa_flash": 0.31},
-                      {"direct:sdpa_efficient": (1.0, 0.99, 1.01), "direct:sdpa_flash": (0.97, 0.96, 0.98)}))
-    runs = pd.DataFrame(flip + steady)
-    main, loaded = runs[runs.host_load_us == 0], runs[runs.host_load_us > 0]
-    rows = {r["per_load"][0.0]["case_id"]: r for r in _load_rows(main, loaded)}
-    assert rows["flip"]["per_load"][0.0]["vs"] == "direct:sdpa_cudnn"
-    assert rows["flip"]["per_load"][200.0]["vs"] == "direct:sdpa_flash"
-    assert rows["flip"]["single"] == "direct:sdpa_cudnn" and rows["flip"]["single_worst"] == pytest.approx(1.05)
-    assert rows["steady"]["single"] == "direct:sdpa_efficient" and rows["steady"]["single_worst"] == pytest.approx(1.01)
-    # "drift": flash left the rounds early, in a fast spell: its median time is the lower, though efficient
-    # outpaced it round by round; the paired ratios put efficient fastest at both loads
-    drift = pd.DataFrame(group("drift", 0.0, {"direct:sdpa_efficient": 0.164, "direct:sdpa_flash": 0.116},
-                               {"direct:sdpa_efficient": (1.02, 1.0, 1.03), "direct:sdpa_flash": (0.97, 0.96, 0.98)})
-                         + group("drift", 200.0, {"direct:sdpa_efficient": 0.30, "direct:sdpa_flash": 0.31},
-                                 {"direct:sdpa_efficient": (1.0, 0.99, 1.01), "direct:sdpa_flash": (0.97, 0.96, 0.98)}))
-    (d,) = _load_rows(drift[drift.host_load_us == 0], drift[drift.host_load_us > 0])
-    assert d["single"] == "direct:sdpa_efficient" and d["single_worst"] == pytest.approx(1.0)
-    t = pd.DataFrame({"target": ["h100"], "hardware": ["H100"]})
-    load_rows = _load_rows(main, loaded)
-    (under,) = _load_verdicts(load_rows, t)
-    assert under.verdict == "does not hold" and "1 of 2 (shape, mode, load) points above" in under.measured
-    assert "At 1 of 2 shapes x modes one direct backend" in under.measured
-    (g,) = _scaling_goal_rows(main)
-    assert g["time"] == GOAL_TIMES["paired_ratio"] and g["above 1.03"] == 1
-    (v,) = _goal_verdicts([g], t, load_rows)
-    assert "at 1 of the 1 shapes above no direct backend is within the bound at every load" in v.reason
+    (kernel,) = [v for v in g2_b.verdicts if "kernel time" in v.claim]
+    assert kernel.verdict == "holds" and kernel.measured.startswith("0 of 4 shapes x modes above 1.03")
 
 
 def test_goal_is_decided_against_the_backends_still_in_the_rounds():
@@ -583,7 +483,7 @@ def test_goal_is_decided_against_the_backends_still_in_the_rounds():
     fastest: its wide interval from those few rounds does not decide the goal. Here adaattn over the one that
     left spans 1.03 (40 rounds), over the one still in lies below it: the shape holds; with the reason gone,
     the same rows leave it undecided."""
-    from adaattn_experiments.ada_modules_report import _paired_goal, _scaling_goal_rows
+    from adaattn_experiments.ada_modules_report import _goal_table, _paired_goal
     from adaattn_experiments.side_by_side import why_left
 
     base = {"target": "h100", "case_id": "c", "mode": "fwd_bwd", "batch": 4, "seq_len": 1024, "status": "ok",
@@ -598,36 +498,10 @@ def test_goal_is_decided_against_the_backends_still_in_the_rounds():
     runs = pd.DataFrame(rows)
     (goal,) = _paired_goal(runs).to_dict("records")
     assert goal["vs"] == "direct:sdpa_efficient" and (goal["ci_low"], goal["ci_high"]) == (1.006, 1.018)
-    (g,) = _scaling_goal_rows(runs)
-    assert g["above 1.03"] == 0 and g["undecided"] == 0
-    (g,) = _scaling_goal_rows(runs.assign(reason=""))  # both counted: the highest bounds, 1.050 spans 1.03
-    assert g["above 1.03"] == 0 and g["undecided"] == 1
-
-
-def test_same_kernel_spread_reads_the_sweeps_drift_between_sdpa_and_its_backend_forced():
-    """SDPA's own dispatch and a backend it dispatches to, forced, that ran the same kernels do the same work:
-    the furthest apart of their sweep times (slowest over fastest) is the host's drift at that shape. Another
-    kernel, a failed row, a module provider, another backend than SDPA's or a shape without SDPA's own dispatch
-    do not count."""
-    from adaattn_experiments.ada_modules_report import same_kernel_spread
-
-    def row(case, provider, ms, kernel, status="ok", target="h100"):
-        return [{"target": target, "case_id": case, "mode": "fwd", "provider": provider, "status": status,
-                 "metric": "time_ms", "value": ms, "kernel": kernel}]
-
-    cudnn, flash = "cudnn_fprop | nvjet_a | nvjet_b", "flash_fwd | nvjet_a | nvjet_b"
-    runs = pd.DataFrame(
-        row("small", "direct:sdpa", 0.16, cudnn) + row("small", "direct:sdpa_cudnn", 0.04, cudnn)
-        + row("small", "direct:sdpa_flash", 0.02, flash) + row("small", "adaattn_noopt", 0.50, cudnn)
-        + row("small", "direct:sdpa_efficient", 0.01, cudnn, status="error")
-        + row("other", "direct:sdpa", 0.2, cudnn) + row("other", "direct:chunked", 0.1, cudnn)
-        + row("none", "direct:sdpa_cudnn", 0.2, cudnn) + row("none", "direct:sdpa_flash", 0.1, cudnn)
-        + row("cpu", "direct:sdpa", 10.7, "aten::flash_cpu", target="cpu")
-        + row("cpu", "direct:sdpa_flash", 10.0, "aten::flash_cpu", target="cpu")
-        + row("cpu", "direct:math", 5.0, "aten::bmm", target="cpu"))
-    spread = same_kernel_spread(runs)
-    assert spread == {("h100", "small", "fwd"): "4.00x (sdpa_cudnn 0.04, sdpa 0.16)",
-                      ("cpu", "cpu", "fwd"): "1.07x (sdpa_flash 10, sdpa 10.7)"}
+    _, (v,) = _goal_table(runs.assign(hardware="H100"), {})
+    assert v.verdict == "holds"
+    _, (v,) = _goal_table(runs.assign(hardware="H100", reason=""), {})  # both counted: 1.050 spans 1.03
+    assert v.verdict == "inconclusive"
 
 
 def test_g2_t2_speed_is_read_on_time_per_call_and_kernel_time():

@@ -419,16 +419,38 @@ def test_without_interpreter_or_cuda_the_references_run(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     status = K.get_kernel_status()
     assert not status["use_triton_kernels"] and "no CUDA device" in status["reason"]
-    x, w = _randn(3, 16).double(), _randn(16).double()  # float64: only the reference takes it
-    torch.testing.assert_close(K.rms_norm(x, w), K.rms_norm_ref(x, w))
+    x, w = _randn(3, 16), _randn(16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.testing.assert_close(K.rms_norm(x, w), K.rms_norm_ref(x, w))
+    assert not any("adaattn" in e.name for e in prof.events())  # no custom op: the reference ran
 
 
 def test_bad_inputs_are_rejected():
+    """At the public functions, whichever path runs: the argument's name and the expected shape or dtype."""
     x = _randn(4, 8)
+    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16; got torch.int64"):
+        K.rms_norm(x.long(), torch.ones(8, device=DEVICE))
+    for eps in (-1e-6, 0.0, float("nan"), "1e-6", True):
+        with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+            K.rms_norm(x, torch.ones(8, device=DEVICE), eps)
+    with pytest.raises(ValueError, match=r"weight must be \(hidden,\) = \(8,\) for x of shape \(4, 8\); got \(8, 1\)"):
+        K.rms_norm(x, torch.ones(8, 1, device=DEVICE))
+    with pytest.raises(ValueError, match="swiglu needs a and b of one shape, dtype and device"):
+        K.swiglu(x, x.int())
+    cos16, sin16 = K.rope_cache(16, 8, device=DEVICE)
+    sdpa_layout = _randn(1, 2, 16, 8)  # (B, H, S, D): 2 heads of 16 tokens
+    with pytest.raises(ValueError, match=r"SDPA's \(B, H, S, D\) layout; apply_rope takes \(B, S, H, D\)"):
+        K.apply_rope(sdpa_layout, sdpa_layout.clone(), cos16, sin16)
+    K.apply_rope(sdpa_layout.transpose(1, 2), sdpa_layout.transpose(1, 2), cos16, sin16)  # as it says: fine
+    with pytest.raises(ValueError, match=r"q's heads \(3\) must be a multiple of k's \(2\)"):
+        K.apply_rope(_randn(1, 4, 3, 8), _randn(1, 4, 2, 8), cos16, sin16)
+    with pytest.raises(ValueError, match=r"q_weight must be \(8,\)"):
+        K.qk_norm_rope(_randn(1, 4, 2, 8), _randn(1, 4, 2, 8), torch.ones(4, device=DEVICE), torch.ones(8, device=DEVICE),
+                       cos16, sin16)
     with pytest.raises(ValueError, match="weight must be"):
         K.rms_norm(x, torch.ones(7, device=DEVICE))
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
-        K.rms_norm(x.double(), torch.ones(8, device=DEVICE, dtype=torch.float64))
+        K.rms_norm(x.double(), torch.ones(8, device=DEVICE, dtype=torch.float64))  # float64: the *_ref functions
     with pytest.raises(ValueError, match="one shape"):
         K.swiglu(x, _randn(4, 9))
     cos, sin = K.rope_cache(4, 8, device=DEVICE)

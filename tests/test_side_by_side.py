@@ -1,6 +1,6 @@
-"""Side-by-side timing (experiments/side_by_side.py): rounds are shuffled permutations, the calls
-really interleave, a mode's call is what the harness times, and slow or failing providers become
-status rows without stopping the others."""
+"""Side-by-side timing (``adaattn.bench.rounds`` and the rows of ``experiments/side_by_side.py``): rounds are
+shuffled permutations, the calls really interleave, a mode's call is what the harness times, and slow or
+failing providers become status rows without stopping the others."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 from adaattn.bench.harness import Workload
 from adaattn.bench.timing import quantiles
-from adaattn_experiments.side_by_side import (CONTENDER, call_of, interleaved_samples_ms, median_ci, round_ratios,
-                                              shuffled_rounds, side_by_side_rows)
+from adaattn.bench.rounds import interleaved_samples_ms, median_ci, outpaced, round_ratios, shuffled_rounds
+from adaattn_experiments.side_by_side import CONTENDER, call_of, side_by_side_rows
 
 
 def test_rounds_are_reproducible_shuffled_permutations():
@@ -130,27 +130,7 @@ def test_median_ci_is_the_binomial_order_statistics_and_covers_the_median():
     assert 0.94 < hits / 2000 < 0.975
 
 
-def test_paired_times_are_typical_turns_on_a_common_scale():
-    """``paired_times``: each contender's median turn relative to its round (the round's geometric mean),
-    on the scale of the median round. A drift between rounds lands on every contender alike and leaves
-    their ratio; a contender slow in one round in three is ranked by its typical turn."""
-    from adaattn.attention.paired import paired_times
-
-    drift = [1.0, 3.0, 1.5, 2.0, 1.2]
-    got = paired_times({"a": drift, "b": [1.05 * d for d in drift]})
-    assert got["b"] / got["a"] == pytest.approx(1.05)
-    scale = sorted(math.sqrt(1.05) * d for d in drift)[2]  # the median round's geometric mean
-    assert got["a"] == pytest.approx(scale / math.sqrt(1.05))
-    spiky = [1.0, 1.0, 9.0] * 4  # its typical turn is 1.0 on rounds where the other takes 1.2
-    assert paired_times({"spiky": spiky, "steady": [1.2] * 12}) == pytest.approx({"spiky": 1.0, "steady": 1.2})
-    assert paired_times({"alone": [3.0, 1.0, 2.0]}) == {"alone": 2.0}
-    for bad in ({"a": [1.0], "b": [1.0, 2.0]}, {"a": []}, {"a": [1.0, 0.0]}):
-        with pytest.raises(ValueError):
-            paired_times(bad)
-
-
 def test_outpaced_names_the_providers_another_beats_with_confidence():
-    from adaattn_experiments.side_by_side import outpaced
 
     fast = [1.0 + 0.01 * (j % 3) for j in range(12)]
     samples = {"fast": fast, "slow": [2.0 * t for t in fast], "twin": [t * (1.05 if j % 2 else 0.95)

@@ -73,6 +73,39 @@ def build_app(studies: Mapping[str, Any]) -> typer.Typer:
             fail(str(err))
 
     @app.command()
+    def tune(
+        shape: Annotated[list[str], typer.Option("--shape", help="BxS or BxLxS; repeat for several")],
+        embed_dim: Annotated[int, typer.Option(help="model width E")],
+        heads: Annotated[int, typer.Option(help="query heads")],
+        kv_heads: Annotated[int | None, typer.Option(help="kv heads (GQA); default: heads")] = None,
+        dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16: the dtype attention computes in")] = "bf16",
+        mask: Annotated[str, typer.Option(help="none, causal or padding (a key padding mask)")] = "none",
+        mode: Annotated[str, typer.Option(help="fwd (inference), fwd_bwd (training) or both")] = "both",
+        cache: Annotated[Path | None, typer.Option(help="cache file; default $ADAATTN_KERNEL_CACHE")] = None,
+        device: Annotated[str | None, typer.Option(help="cpu or cuda; default cuda where there is one")] = None,
+    ) -> None:
+        """Rank AdaAttention's attention backends for these shapes into the persisted cache, so that compiled
+        models find every decision made (what was ranked, and how long it took, is printed)."""
+        from adaattn.attention.tune import Shape, cache_path, tune_shapes
+
+        try:
+            shapes = [Shape.parse(s) for s in shape]
+            path = cache_path(cache)
+            rows = tune_shapes(embed_dim, heads, shapes, path, kv_heads=kv_heads, dtype=dtype, mask=mask, mode=mode,
+                               device=device)
+        except ValueError as err:
+            fail(str(err))
+        table = Table(title=f"attention backends ranked into {path}")
+        for col in ("shape", "mode", "ranking (median GPU ms)", "s"):
+            table.add_column(col)
+        for r in rows:
+            sh = r["shape"]
+            ranked = " > ".join(f"{b} ({r['ms'][b]:.3g})" for b in r["ranking"]) or r["signature"]
+            table.add_row(f"{sh.batch}x{sh.q_len}x{sh.k_len}", "fwd_bwd" if r["grad"] else "fwd", ranked,
+                          f"{r['seconds']:.2f}")
+        Console().print(table)
+
+    @app.command()
     def report(
         params: PARAMS = Path("params.yaml"),
         results: Annotated[Path, typer.Option(help="results root")] = Path("results"),

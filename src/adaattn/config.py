@@ -235,8 +235,8 @@ class _ModuleCommon(_Section):
     dtype: DType
     modes: Annotated[list[Mode], Field(min_length=1)]
     providers: Annotated[list[str], Field(min_length=1)]
-    # the kernel manager's candidates for adaattn / adaattn_auto (each is measured once per signature)
-    manager_backends: Annotated[list[str], Field(min_length=1)]
+    # the kernel manager's candidates for adaattn / adaattn_auto; null: the hardware's (what a user gets)
+    manager_backends: Annotated[list[str], Field(min_length=1)] | None = None
 
     @field_validator("heads")
     @classmethod
@@ -253,8 +253,8 @@ class _ModuleCommon(_Section):
 
     @field_validator("manager_backends")
     @classmethod
-    def _backends(cls, v: list[str]) -> list[str]:
-        return _check_names(v, _backend_names(), "attention backend(s)")
+    def _backends(cls, v: list[str] | None) -> list[str] | None:
+        return v if v is None else _check_names(v, _backend_names(), "attention backend(s)")
 
 
 class G2T1Point(_ModuleCommon):
@@ -267,6 +267,19 @@ class G2T1Section(_Section):
     cpu: G2T1Point  # a CPU table: no GPU profile
 
 
+class StackCheck(_Section):
+    """A stack of transformer blocks, AdaAttention's vs SDPA's, both compiled: a training step (forward and
+    backward), side by side."""
+
+    layers: PositiveInt
+    embed_dim: PositiveInt
+    heads: PositiveInt
+    mlp_ratio: PositiveInt
+    batch: PositiveInt
+    seq_len: PositiveInt
+    dtype: DType
+
+
 class G2BSweep(_ModuleCommon):
     """Batch sweep at one sequence length, sequence sweep at one batch (up to 16K tokens)."""
 
@@ -277,11 +290,21 @@ class G2BSweep(_ModuleCommon):
     causal: Annotated[list[bool], Field(min_length=1)]
     utilization_s: float = Field(0.5, ge=0)  # NVML utilization over this many seconds of calls; 0: none
     utilization_providers: list[str] = []  # which providers it is sampled for (it costs the time above)
+    # the compiled goal: AdaAttention compiled (compile_mode) beside the module compiled around each of these
+    # backends called directly, at every shape; []: not taken
+    compiled_backends: list[str] = []
+    compile_mode: Literal["reduce-overhead", "default", "max-autotune-no-cudagraphs"] = "reduce-overhead"
+    stack: StackCheck | None = None  # the stack check; null: not taken
 
     @field_validator("utilization_providers")
     @classmethod
     def _util(cls, v: list[str]) -> list[str]:
         return _check_names(v, _module_provider_names(), "utilization provider(s)")
+
+    @field_validator("compiled_backends")
+    @classmethod
+    def _compiled(cls, v: list[str]) -> list[str]:
+        return _check_names(v, _backend_names(), "compiled backend(s)")
 
 
 class G2BSection(ByProfile):

@@ -43,28 +43,36 @@ class Signature:
     square: bool  # the exact query and key lengths are equal (causal alignment differs between libraries otherwise)
 
     def key(self) -> str:
-        return self._key
-
-    @functools.cached_property
-    def _key(self) -> str:  # once per signature: Signature.of returns cached instances
         return "|".join(str(v) for v in (self.device, self.hardware, self.dtype, self.batch, self.heads, self.kv_heads, self.head_dim,
                                           self.q_len, self.k_len, self.mask, int(self.grad), int(self.square)))
 
     @staticmethod
     def of(q: Tensor, k: Tensor, mask: str) -> Signature:
+        """The signature of a call on q (B, Hq, L, D) and k (B, Hkv, S, D)."""
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        return Signature.make(q.device.type, q.device.index, q.dtype, tuple(q.shape), tuple(k.shape), mask, grad)
+
+    @staticmethod
+    def make(device_type: str, index: int | None, dtype: torch.dtype, q_shape: tuple[int, ...],
+             k_shape: tuple[int, ...], mask: str, grad: bool) -> Signature:
         if mask not in MASK_KINDS:
             raise ValueError(f"mask kind {mask!r} is not one of: {', '.join(MASK_KINDS)}")
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        return _signature(q.device, q.dtype, tuple(q.shape), tuple(k.shape), mask, grad)
+        (B, H, L, D), (Hkv, S) = (int(n) for n in q_shape), (int(k_shape[1]), int(k_shape[2]))
+        return Signature(device_type, device_name(device_type, index), str(dtype).removeprefix("torch."), B, H, Hkv, D,
+                         _bucket(L), _bucket(S), mask, grad, L == S)
 
 
-@functools.lru_cache(maxsize=1024)
-def _signature(device: torch.device, dtype: torch.dtype, q_shape: tuple[int, ...], k_shape: tuple[int, ...], mask: str,
-               grad: bool) -> Signature:
-    """Built once per distinct call (a hot path: every AdaAttention call needs one)."""
-    return Signature(device.type, HardwareCapabilities.detect(device).name, str(dtype).removeprefix("torch."),
-                     q_shape[0], q_shape[1], k_shape[1], q_shape[3], _bucket(q_shape[2]), _bucket(k_shape[2]), mask,
-                     grad, q_shape[2] == k_shape[2])
+@torch.compiler.assume_constant_result  # a constant of the compiled graph: no guard on how it was made
+def signature_key(device_type: str, index: int | None, dtype: torch.dtype, q_shape: tuple[int, ...],
+                  k_shape: tuple[int, ...], mask: str, grad: bool) -> str:
+    """``Signature.make(...).key()``, for a compiled call."""
+    return Signature.make(device_type, index, dtype, q_shape, k_shape, mask, grad).key()
+
+
+@torch.compiler.assume_constant_result  # a constant of the compiled graph: read once, never traced
+def device_name(device_type: str, index: int | None) -> str:
+    """The name of the device a signature's ranking was measured on."""
+    return HardwareCapabilities.detect(device_type if index is None else f"{device_type}:{index}").name
 
 
 def _bucket(n: int) -> int:
@@ -80,8 +88,8 @@ class Backend:
     name: str
     run: Run
     why_not: Callable[[Signature], str | None]
-    wrapped: bool = False  # its call sets SDPA's backend flags around SDPA (a forced SDPA backend): more host time
     keeps_scores: bool = False  # it holds the (L, S) score matrix in memory: its peak grows with L x S
+    traceable: bool = True  # torch.compile traces it without a graph break
 
 
 def _sdpa(q, k, v, attn_mask, is_causal, scale):
@@ -97,14 +105,10 @@ _FLAG_OF = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "mem_efficient", 
 
 
 def _sdpa_forced(backend: str) -> Run:
-    """SDPA with only ``backend`` enabled, as under ``sdpa_kernel([backend])`` (SDPA raises rather than
-    fall back to another backend): the call sets SDPA's backend flags that differ and restores them
-    after. ``sdpa_kernel`` itself, a context manager that reads and writes every flag through enum and
-    string lookups, took 40 us of host time per enter and exit on a lent H100's host (torch 2.11) and
-    10.3 us on the development CPU (torch 2.13), over a host-bound call's whole 3% margin; setting the
-    flags, 0.75 us there (scratch timings). Like ``sdpa_kernel`` the flags are
-    global: another thread's SDPA call made meanwhile sees them. Under torch.compile the call enters
-    ``sdpa_kernel``, which dynamo traces."""
+    """SDPA with only ``backend`` enabled, as under ``sdpa_kernel([backend])`` (SDPA raises rather than fall
+    back to another backend). Eager, the call sets the SDPA flags that differ and restores them after:
+    ``sdpa_kernel`` costs tens of us of host time per call (docs/notebook.md). Like ``sdpa_kernel`` the
+    flags are global. Under torch.compile the call enters ``sdpa_kernel``, which dynamo traces."""
     flags = tuple((getattr(torch._C, f"_get_{n}_sdp_enabled"), getattr(torch._C, f"_set_sdp_use_{n}"),
                    n == _FLAG_OF[backend]) for n in SDP_FLAGS)
 
@@ -209,15 +213,41 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("flash_attn", _flash_attn, _needs(cuda=True, half=True, masks=("none", "causal"), max_head_dim=256,
                                               provider="flash_attn", equal_lengths=True)),
     Backend("sdpa_flash", _sdpa_forced("FLASH_ATTENTION"), _needs(masks=("none", "causal"), max_head_dim=256,
-                                                                  half_on_cuda=True), wrapped=True),
+                                                                  half_on_cuda=True)),
     Backend("sdpa_cudnn", _sdpa_forced("CUDNN_ATTENTION"), _needs(cuda=True, half=True, masks=("none", "causal"),
-                                                                  max_head_dim=128), wrapped=True),
-    Backend("sdpa_efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _needs(cuda=True), wrapped=True),
+                                                                  max_head_dim=128)),
+    Backend("sdpa_efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _needs(cuda=True)),
     Backend("sdpa", _sdpa, _needs()),
-    Backend("sdpa_math", _sdpa_forced("MATH"), _needs(), wrapped=True, keeps_scores=True),
-    Backend("flex", _flex, _needs(cuda=True, masks=("none", "causal"), provider="flex")),
-    Backend("xformers", _xformers, _needs(cuda=True, masks=("none", "causal"), provider="xformers_cutlass")),
+    Backend("sdpa_math", _sdpa_forced("MATH"), _needs(), keeps_scores=True),
+    # flex builds its block mask and compiles per shape outside a graph; xFormers is an opaque extension call
+    Backend("flex", _flex, _needs(cuda=True, masks=("none", "causal"), provider="flex"), traceable=False),
+    Backend("xformers", _xformers, _needs(cuda=True, masks=("none", "causal"), provider="xformers_cutlass"),
+            traceable=False),
     Backend("chunked", _chunked, _needs()),
     Backend("math", _math, _needs(), keeps_scores=True),
 ]}
 FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xformers", "sdpa_efficient"})
+
+
+def workload(run: Run, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+             scale: float | None, grad: bool) -> Callable[[], object]:
+    """One call of ``run`` as the signature makes it: the forward, or for a training signature forward and
+    backward (gradients of the inputs that need them, of a fixed output gradient; nothing accumulates)."""
+    if not grad:
+        def forward():
+            with torch.no_grad():
+                return run(q, k, v, attn_mask, is_causal, scale)
+
+        return forward
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    wrt = [t for t in leaves if t.requires_grad]
+    grad_out: list[Tensor] = []
+
+    def forward_backward():
+        with torch.enable_grad():
+            out = run(*leaves, attn_mask, is_causal, scale)
+            if not grad_out:
+                grad_out.append(torch.randn_like(out))
+            return torch.autograd.grad(out, wrt, grad_out[0])
+
+    return forward_backward

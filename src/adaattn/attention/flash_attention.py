@@ -33,7 +33,7 @@ from adaattn.attention.backends import BACKENDS, FLASH_LIKE
 from adaattn.attention.chunked import check_mask, check_qkv
 from adaattn.attention.chunked import chunked_attention as memory_efficient_attention
 from adaattn.attention.hardware import CUDAManager
-from adaattn.attention.kernel_manager import OBJECTIVES, AttentionKernelManager
+from adaattn.attention.kernel_manager import AttentionKernelManager
 
 __all__ = ["AdaptiveFlashAttention", "CUDAManager", "FlashAttentionConfig", "fused_scaled_dot_product_attention",
            "memory_efficient_attention"]
@@ -48,15 +48,12 @@ class FlashAttentionConfig:
     precision_mode: str = "auto"  # fp32, bf16, fp16, or auto (by hardware, escalated where numerics need it)
     rank_mode: str | int = "full"  # full (exact), auto (low-rank where measured faster and accurate), or a rank
     dropout: float = 0.0  # the kernel manager's backends take none: a training call with dropout runs SDPA
-    backends: tuple[str, ...] | None = None  # the manager's candidates; None: every backend, the shared manager
-    objective: str = "call"  # what the manager ranks by: time per call, or "gpu" time
+    backends: tuple[str, ...] | None = None  # the manager's candidates; None: the hardware's, the shared manager
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_flash, bool):
             raise ValueError(f"enable_flash must be True or False; got {self.enable_flash!r}")
         check_policy(self.precision_mode, self.rank_mode, "auto", self.dropout)
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective {self.objective!r} is not one of: {', '.join(OBJECTIVES)}")
         if self.backends is not None:
             if isinstance(self.backends, str) or not self.backends:
                 raise ValueError(f"backends must be a non-empty sequence of backend names (allowed: "
@@ -67,16 +64,16 @@ class FlashAttentionConfig:
             object.__setattr__(self, "backends", tuple(self.backends))
 
     def manager(self) -> AttentionKernelManager:
-        """The kernel manager this config runs: the shared one (every backend, time per call, what
-        AdaAttention uses by default), or one per (backends, objective) in the process."""
-        if self.backends is None and self.objective == "call":
+        """The kernel manager this config runs: the shared one (what AdaAttention uses by default), or one
+        per ``backends`` in the process."""
+        if self.backends is None:
             return shared_kernel_manager()
-        return _manager(self.backends, self.objective)
+        return _manager(self.backends)
 
 
 @functools.cache
-def _manager(backends: tuple[str, ...] | None, objective: str) -> AttentionKernelManager:
-    return AttentionKernelManager(backends=None if backends is None else list(backends), objective=objective)
+def _manager(backends: tuple[str, ...]) -> AttentionKernelManager:
+    return AttentionKernelManager(backends=list(backends))
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(FlashAttentionConfig))
@@ -87,7 +84,7 @@ class AdaptiveFlashAttention(AdaAttention):
     ``FlashAttentionConfig``; the config's fields may also be given as keywords, over the config's::
 
         attn = AdaptiveFlashAttention(embed_dim=512, num_heads=8, precision_mode="auto", enable_flash=True)
-        out, _ = attn(x, x, x)
+        out, _ = attn(x, x, x, need_weights=False)
         attn.get_flash_statistics()["flash_ratio"]
     """
 
@@ -112,7 +109,7 @@ class AdaptiveFlashAttention(AdaAttention):
         """The guide's FlashAttention usage: calls through a flash-like kernel (``FLASH_LIKE``) and through
         the manager's other backends, ``flash_ratio``, calls per backend and the fallbacks with their
         reasons. The counts are the kernel manager's, over every module that shares it (a config with
-        its own ``backends`` or ``objective`` shares one manager per such config); calls that do not go
+        its own ``backends`` shares one manager per such config); calls that do not go
         through it (``enable_flash=False``, a low-rank path, dropout in training) are not among them
         (``get_statistics()['ranks']`` counts every call)."""
         stats = self.get_statistics()
@@ -139,7 +136,7 @@ def fused_scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor
     check_dropout(dropout_p, "dropout_p")
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
     if dropout_p:
-        return sdpa_path(dropout_p)(query, key, value, attn_mask, is_causal, scale)
+        return sdpa_path(query, key, value, attn_mask, is_causal, scale, dropout_p)
     out, _ = (manager or shared_kernel_manager())(query, key, value, attn_mask, is_causal, scale)
     return out
 

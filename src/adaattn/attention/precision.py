@@ -4,11 +4,14 @@
 (``HardwareCapabilities.default_dtype``: Hopper and Ampere bf16, Volta fp16, CPU fp32), then two
 guards, each escalating to fp32 and recording why:
 
-- overflow (fp16 only, every call, two reductions): the logit bound scale * max|q| * max|k| * D
+- overflow (fp16 only, every eager call, two reductions): the logit bound scale * max|q| * max|k| * D
   over the fp16 range means a score may overflow before the softmax;
 - accuracy (first call of each signature, then every ``recheck_every`` calls): attention of a
   sample of query rows in the chosen dtype vs float32; cosine similarity below ``min_cosine``
   or relative L1 above ``max_rel_l1`` escalates.
+
+The guards read values on the host, so they run on eager calls only; a compiled call runs the dtype
+last decided for its signature (``decided``), or the mode's base dtype where none was.
 
 Low-precision (FP8 / INT8) attention will come from a later kernel issue: ``LOW_PRECISION`` is
 where it plugs in; nothing here claims anything for it.
@@ -17,7 +20,6 @@ where it plugs in; nothing here claims anything for it.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -85,22 +87,10 @@ class PrecisionPolicy:
         self._checked[sig] = (dtype, due - 1)
         return dtype
 
-    def calls_until_check(self, sig: str) -> int | None:
-        """How many more calls of ``sig`` may skip ``choose`` (its dtype stays what ``choose`` last
-        returned), or None when every call needs it (auto fp16: the overflow guard looks at each
-        call's inputs). Calls that skip it are reported with ``record``."""
-        dtype, due = self._checked[sig]
-        if self.mode != "auto" or dtype == torch.float32:
-            return sys.maxsize
-        if dtype == torch.float16:
-            return None
-        return max(due, 0)
-
-    def record(self, sig: str, calls: int) -> None:
-        """Count ``calls`` of ``sig`` that skipped ``choose``: the next sampled check comes that much
-        sooner (at once when they used up the interval)."""
-        dtype, due = self._checked[sig]
-        self._checked[sig] = (dtype, due - calls)
+    def decided(self, sig: str) -> torch.dtype | None:
+        """The dtype ``choose`` last returned for ``sig`` (None: not decided yet); what a compiled call runs."""
+        seen = self._checked.get(sig)
+        return None if seen is None else seen[0]
 
     def sample_error(self, q: Tensor, k: Tensor, v: Tensor, scale: float, dtype: torch.dtype) -> tuple[float, float]:
         """(cosine similarity, relative L1) of attention for up to ``sample_rows`` query rows in ``dtype``
@@ -115,3 +105,11 @@ class PrecisionPolicy:
             cos = F.cosine_similarity(low.flatten(), ref.flatten(), dim=0).item()
             rel = ((low - ref).abs().sum() / ref.abs().sum().clamp_min(1e-30)).item()
         return cos, rel
+
+
+@torch.compiler.assume_constant_result  # a constant of the compiled graph: read once, never traced
+def traced_dtype(mode: str, device_type: str, index: int | None) -> torch.dtype:
+    """The dtype a compiled call runs for a signature without a decision: the mode's (fixed) or the
+    hardware's default (auto), without the guards, which look at data."""
+    device = device_type if index is None else f"{device_type}:{index}"
+    return PrecisionPolicy(mode).base_dtype(HardwareCapabilities.detect(device))

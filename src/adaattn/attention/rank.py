@@ -34,13 +34,10 @@ sampled spectrum rank r_est of every head; if the largest is clearly low (at mos
 sample and at most S/16), 2 r_est landmarks are tried on the sampled query rows by each low-rank
 path in turn, the cheaper first (``LOW_RANK_METHODS``: pooled, then Nyström), and the first whose
 relative L2 error against exact attention of those rows is within ``max_rel_error`` is taken where it
-is faster than the exact path (``speed``: AdaAttention times its own call through the path against its
-call through the exact path's backend, side by side, as its kernel manager times backends:
-``AttentionKernelManager.time_calls``); otherwise the exact path runs. Why: the path pays its error
-for speed, and at short sequences it is slower. In the H100 rank run at code eb6de453 (contiguous
-rank-16 inputs, B=1, 8 heads of 64, bf16; the policy then went by error alone) the policy's path took
-2.28x the best exact backend's time per call at S=1024 (pooled, 32 landmarks) and 2.41x at S=2048
-(Nyström, 32): two and four Triton launches against one cuDNN kernel.
+is faster than the exact path (``speed``: AdaAttention times the path against the exact path's backend,
+side by side, as its kernel manager times backends: ``AttentionKernelManager.time_ops``); otherwise the
+exact path runs. Why: the path pays its error for speed, and at short sequences it is slower (two or
+four Triton launches against one fused kernel: the rank study's policy rows).
 Segment-mean landmarks summarise contiguous tokens: a matrix of low rank whose structure is not
 contiguous in the sequence (clustered tokens spread over it) can fail the check and stay exact.
 """
@@ -161,12 +158,12 @@ def pooled_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
 
 def _triton_why_not(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str | None:
     """Why the forward-only Triton low-rank kernels cannot run these inputs, or None."""
+    if torch.compiler.is_compiling():  # first: the checks below read the environment, which dynamo would trace
+        return "under torch.compile"
     if not use_triton(q, k, v):
         return get_kernel_status()['reason'] or f"Triton kernels cannot run on {q.device.type}"
     if needs_grad(q, k, v):
         return "autograd needs the graph (the Triton path is forward only)"
-    if torch.compiler.is_compiling():
-        return "under torch.compile"
     from adaattn.attention.nystrom_triton import supported
 
     return supported(q, rank)

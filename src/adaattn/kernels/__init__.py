@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from adaattn.kernels.checks import check_qk_norm, check_rms_norm, check_rope, check_swiglu
 from adaattn.kernels.reference import qk_norm_rope_ref, rms_norm_ref, rope_cache, rope_ref, swiglu_ref
 from adaattn.kernels.runtime import ENV_DISABLE, get_kernel_status, refuse_grad_leaves, set_use_triton_kernels, use_triton
 
@@ -29,6 +30,7 @@ __all__ = [
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """RMSNorm over the last dim; weight (hidden,)."""
+    check_rms_norm(x, weight, eps)
     if use_triton(x, weight):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
@@ -36,6 +38,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
 
 def swiglu(a: Tensor, b: Tensor) -> Tensor:
     """silu(a) * b (a: gate, b: up)."""
+    check_swiglu(a, b)
     if use_triton(a, b):
         return swiglu_triton(a, b)
     return swiglu_ref(a, b)
@@ -48,6 +51,7 @@ def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inplace: bool = F
     autograd refuses it on leaves that require grad, as for any in-place op."""
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be True or False; got {inplace!r}")
+    check_rope(q, k, cos, sin)
     if use_triton(q, k, cos, sin):
         return rope_triton(q, k, cos, sin, inplace)
     qo, ko = rope_ref(q, k, cos[: q.shape[1]], sin[: q.shape[1]])
@@ -61,6 +65,8 @@ def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inplace: bool = F
 def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor, sin: Tensor,
                  eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """Per-head RMSNorm of q and k (weights (D,)), then the rotary embedding, in one kernel."""
+    check_rope(q, k, cos, sin)
+    check_qk_norm(q, q_weight, k_weight, eps)
     if use_triton(q, k, q_weight, k_weight, cos, sin):
         return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
     return qk_norm_rope_ref(q, k, q_weight, k_weight, cos[: q.shape[1]], sin[: q.shape[1]], eps)

@@ -16,7 +16,8 @@ import triton.language as tl
 from torch import Tensor
 
 from adaattn.kernels.partials import sum_partials
-from adaattn.kernels.runtime import TunedLaunch, check_float, flat_rows, needs_grad, programs_for, tuned
+from adaattn.kernels.checks import check_rms_norm_args
+from adaattn.kernels.runtime import TunedLaunch, flat_rows, needs_grad, programs_for, tuned
 
 MAX_HIDDEN = 2**16 // 4  # one row of fp32 must fit in a program's registers
 
@@ -106,12 +107,7 @@ def _block(n_cols: int) -> int:
     return triton.next_power_of_2(n_cols)
 
 
-def _check(x: Tensor, weight: Tensor) -> None:
-    check_float("x", x)
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight must be ({x.shape[-1]},) for x of shape {tuple(x.shape)}; got {tuple(weight.shape)}")
-    if x.device != weight.device:
-        raise ValueError(f"x on {x.device}, weight on {weight.device}")
+_check = check_rms_norm_args
 
 
 def _rows(nbytes: int, n_cols: int, dtype: torch.dtype) -> int:

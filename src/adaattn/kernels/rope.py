@@ -25,8 +25,9 @@ import triton.language as tl
 from torch import Tensor
 
 from adaattn.kernels.partials import sum_partials
-from adaattn.kernels.runtime import (TunedLaunch, check_float, last_dim_contiguous, needs_grad, programs_for,
-                                     refuse_grad_leaves, tuned)
+from adaattn.kernels.checks import check_rope_args
+from adaattn.kernels.runtime import (TunedLaunch, last_dim_contiguous, needs_grad, programs_for, refuse_grad_leaves,
+                                     tuned)
 
 def _prune(configs, key, kwargs):
     """Keep tiles of TOKENS x heads x D/2 of at most 4096 elements per q or k half."""
@@ -217,19 +218,7 @@ def _strides(t: Tensor) -> tuple[int, int, int]:
 
 
 def _check(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    check_float("q", q)
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be (B, S, H, D); got {tuple(q.shape)} and {tuple(k.shape)}")
-    (bq, sq, _, dq), (bk, sk, _, dk) = q.shape, k.shape
-    if (bq, sq, dq) != (bk, sk, dk) or q.dtype != k.dtype or q.device != k.device:
-        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must share B, S, D, dtype, device")
-    if dq % 2:
-        raise ValueError(f"rotary embedding needs an even head dim; got {dq}")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != dq // 2 or cos.shape[0] < sq:
-        raise ValueError(f"cos and sin must be (>= S, D/2) = (>= {sq}, {dq // 2}); got {tuple(cos.shape)} and "
-                         f"{tuple(sin.shape)}")
-    if cos.device != q.device:
-        raise ValueError(f"cos on {cos.device}, q on {q.device}")
+    check_rope_args(q, k, cos, sin)
     cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)
     if cos.stride(0) != sin.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()

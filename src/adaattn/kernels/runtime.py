@@ -27,7 +27,6 @@ from torch import Tensor
 ENV_DISABLE = "ADAATTN_DISABLE_TRITON"
 ENV_DIRECT = "ADAATTN_TRITON_DIRECT_LAUNCH"
 KERNELS = ("rms_norm", "swiglu", "rope", "qk_norm_rope")
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _use_triton: bool = True  # set_use_triton_kernels; the environment variable overrides it
 
@@ -119,11 +118,6 @@ def use_triton(*tensors: Tensor) -> bool:
         return False
     devices = {t.device.type for t in tensors}
     return devices == {"cuda"} or (devices == {"cpu"} and interpreter())
-
-
-def check_float(name: str, t: Tensor) -> None:
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16; got {t.dtype}")
 
 
 def last_dim_contiguous(t: Tensor) -> Tensor:

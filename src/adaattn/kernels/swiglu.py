@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from adaattn.kernels.runtime import TunedLaunch, check_float, flat_rows, needs_grad, tuned
+from adaattn.kernels.checks import check_swiglu
+from adaattn.kernels.runtime import TunedLaunch, flat_rows, needs_grad, tuned
 
 
 def _prune(configs, key, kwargs):
@@ -94,11 +95,7 @@ def _grid(n_rows: int, n_cols: int):
     return lambda meta: (triton.cdiv(n_rows, meta["ROWS"]), triton.cdiv(n_cols, meta["BLOCK_N"]))
 
 
-def _check(a: Tensor, b: Tensor) -> None:
-    check_float("a", a)
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        raise ValueError(f"swiglu needs a and b of one shape, dtype and device; got {tuple(a.shape)} {a.dtype} "
-                         f"{a.device} and {tuple(b.shape)} {b.dtype} {b.device}")
+_check = check_swiglu
 
 
 def _example(strided: bool, backward: bool):

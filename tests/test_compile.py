@@ -1,0 +1,215 @@
+"""AdaAttention under torch.compile: whole graphs (no graph break) forward and backward with every mask kind,
+causal and GQA; a tuned decision is what the graph runs; no decision runs the hardware's default and says so;
+``tune`` and ``adaattn tune`` (the persisted cache, stale entries, bad arguments). GPU: CUDA graphs and
+max-autotune."""
+
+import json
+
+import pytest
+import torch
+
+import adaattn.attention.kernel_manager as km_mod
+from adaattn.attention.ada import AdaAttention
+from adaattn.attention.backends import BACKENDS
+from adaattn.attention.kernel_manager import DEFAULT, AttentionKernelManager
+from adaattn.attention.tune import Shape, cache_path, tune_shapes
+
+E, H = 32, 4
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()  # every module compiled here is another entry in dynamo's cache of one forward
+    yield
+    torch._dynamo.reset()
+
+
+def _masks(B, S):
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[0, -3:] = True
+    return {"none": {}, "causal": {"is_causal": True}, "padding": {"key_padding_mask": pad},
+            "float": {"attn_mask": torch.randn(S, S)}, "padding+causal": {"key_padding_mask": pad, "is_causal": True}}
+
+
+# each mask kind once with MHA's packed weights, the GQA module on the kinds that change its path
+@pytest.mark.parametrize("kv_heads,mask", [(4, "none"), (4, "causal"), (4, "padding"), (4, "float"),
+                                           (2, "none"), (2, "padding+causal")])
+def test_compiles_whole_forward_and_backward_and_matches_eager(kv_heads, mask):
+    torch.manual_seed(0)
+    ada = AdaAttention(E, H, num_kv_heads=kv_heads, rank_mode="full", kernel_manager=AttentionKernelManager())
+    kw = _masks(2, 16)[mask]
+
+    def f(x):
+        return ada(x, x, x, need_weights=False, **kw)[0]
+
+    x = torch.randn(2, 16, E)
+    assert torch._dynamo.explain(f)(x).graph_break_count == 0
+    ref_x, x_c = (x.clone().requires_grad_() for _ in range(2))
+    out = torch.compile(f, fullgraph=True)(x_c)
+    ref = f(ref_x)  # eager: the policies decide (the compiled call ran the defaults, SDPA)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(x_c.grad, ref_x.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_a_new_shape_recompiles_per_signature_without_an_error():
+    """dynamo marks a size dynamic on the second shape; the module specialises it (a signature is per shape)."""
+    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=AttentionKernelManager())
+    f = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for S in (16, 24, 40):
+            x = torch.randn(2, S, E)
+            torch.testing.assert_close(f(x), ada(x, x, x, need_weights=False)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_compiled_module_runs_the_tuned_backend_and_the_default_without_one(monkeypatch):
+    """Tuned: the graph holds the manager's first backend (a spy backend records what was traced) and nothing
+    is untuned. Not tuned: the hardware's defaults, listed per policy in ``get_statistics()["untuned"]``."""
+    traced = []
+
+    def spy(name):
+        run = BACKENDS[name].run
+
+        def call(*a):
+            traced.append(name)
+            return run(*a)
+
+        return call
+
+    for name in ("math", DEFAULT):
+        monkeypatch.setitem(BACKENDS, name, BACKENDS[name].__class__(name, spy(name), BACKENDS[name].why_not))
+    x = torch.randn(2, 16, E)
+    ada = AdaAttention(E, H, rank_mode="auto", kernel_manager=AttentionKernelManager(backends=["math", DEFAULT]))
+    compiled = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend="eager", fullgraph=True)
+    with torch.no_grad():
+        compiled(x)
+    assert traced[-1] == DEFAULT
+    untuned = ada.get_statistics()["untuned"]
+    # precision too where the hardware's default is a reduced dtype its guards never checked (not a CPU's fp32)
+    assert sorted(u.rsplit(": ", 1)[1] for u in untuned) == ["backend", "rank"], untuned
+    ada.manager.disable(DEFAULT)  # whatever the measurement finds, math is the choice
+    decided = ada.tune(x, grad=False)
+    (sig, d), = decided.items()
+    assert d["dtype"] == "float32" and d["path"] == "exact" and d["backends"] == ["math"]  # sdpa not measured
+    traced.clear()
+    with torch.no_grad():
+        out = compiled(x)  # the signature's plan is new: dynamo's guard on it retraces
+    assert traced == ["math"] and ada.get_statistics()["untuned"] == [], traced
+    torch.testing.assert_close(out, ada(x, x, x, need_weights=False)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_tune_decides_both_grad_modes_and_rejects_bad_arguments():
+    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=AttentionKernelManager(backends=["sdpa", "math"]))
+    x = torch.randn(1, 8, E)
+    decided = ada.tune(x)
+    assert len(decided) == 2 and {k.split("|")[-2] for k in decided} == {"0", "1"}  # inference and training
+    with pytest.raises(ValueError, match="grad must be True, False or None"):
+        ada.tune(x, grad="yes")
+    with pytest.raises(TypeError, match="tune takes tensors"):
+        ada.tune([1, 2])
+    with pytest.raises(ValueError, match="expected query"):
+        ada.tune(torch.randn(1, 8, E + 1))
+
+
+def test_tune_shapes_fill_the_cache_that_a_compiled_model_reads(tmp_path, monkeypatch):
+    """``adaattn tune``'s work: rankings for every shape and grad mode in the cache file; a manager reading it
+    (another process) has them, so a compiled module emits the tuned backend with nothing untuned; an entry made
+    under another torch is ignored with its reason."""
+    path = tmp_path / "attn.json"
+    rows = tune_shapes(E, H, [Shape.parse("2x16"), Shape.parse("1x8x16")], path, dtype="fp32", mode="both",
+                       device="cpu")
+    assert len(rows) == 4 and all(r["ranking"] for r in rows)
+    entries = json.loads(path.read_text())["entries"]
+    assert set(entries) == {r["signature"] for r in rows}
+    reader = AttentionKernelManager(cache_path=path)
+    ada = AdaAttention(E, H, precision_mode="fp32", rank_mode="full", kernel_manager=reader)
+    x = torch.randn(2, 16, E)
+    with torch.no_grad():
+        torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend="eager", fullgraph=True)(x)
+    assert ada.get_statistics()["untuned"] == [] and reader.calls == {}  # nothing measured, nothing untuned
+    key = next(iter(entries))
+    path.write_text(json.dumps({"entries": {key: {**entries[key], "torch": "1.0"}}}))
+    (stale,) = AttentionKernelManager(cache_path=path).get_statistics()["stale"]
+    assert stale["signature"] == key and "torch 1.0" in stale["reason"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dtype="fp8"), "dtype 'fp8' is not one of: fp32, bf16, fp16"),
+    (dict(mask="banded"), "mask 'banded' is not one of: none, causal, padding"),
+    (dict(mode="train"), "mode 'train' is not one of: fwd, fwd_bwd, both"),
+    (dict(device="tpu"), "device 'tpu' is not one of: cpu"),
+    (dict(shapes=[]), "at least one"),
+])
+def test_tune_shapes_reject_bad_arguments_before_any_work(tmp_path, kwargs, match):
+    args = dict(embed_dim=E, heads=H, shapes=[Shape(1, 8, 8)], cache=tmp_path / "c.json", dtype="fp32") | kwargs
+    with pytest.raises(ValueError, match=match):
+        tune_shapes(**args)
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_tune_cli_parses_shapes_and_needs_a_cache(monkeypatch):
+    assert Shape.parse("8x4096") == Shape(8, 4096, 4096) and Shape.parse("1X1x64") == Shape(1, 1, 64)
+    for bad in ("8", "8x0", "ax4", "1x2x3x4"):
+        with pytest.raises(ValueError, match="must be BxS or BxLxS"):
+            Shape.parse(bad)
+    monkeypatch.delenv("ADAATTN_KERNEL_CACHE", raising=False)
+    with pytest.raises(ValueError, match="pass --cache PATH or set ADAATTN_KERNEL_CACHE"):
+        cache_path(None)
+    monkeypatch.setenv("ADAATTN_KERNEL_CACHE", "/tmp/x.json")
+    assert str(cache_path(None)) == "/tmp/x.json"
+
+
+def test_a_measured_signature_costs_a_few_rounds_not_seconds(monkeypatch):
+    """The first call of a new signature ranks only the candidates within CONTENDER of the fastest warm-up, in
+    at most ROUNDS[1] rounds of GPU-time turns: counted here in calls, not timed."""
+    calls = []
+    monkeypatch.setattr(km_mod, "interleaved_samples_ms",
+                        lambda c, device, rounds, seed=0, turn="call": calls.append((len(c), rounds)) or [[1.0]] * len(c))
+    km = AttentionKernelManager()
+    q = torch.randn(1, 4, 64, 8)
+    km(q, q, q)
+    (n, rounds), = calls
+    assert n <= 4 and km_mod.ROUNDS[0] <= rounds <= km_mod.ROUNDS[1]
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compiles_whole_on_cuda_in_every_mode(mode):
+    """fullgraph=True, forward and backward, masks, causal and GQA (one small shape for max-autotune: it
+    autotunes every GEMM), outputs and gradients equal to eager's."""
+    torch.manual_seed(0)
+    dev, B, S = "cuda", 2, 128
+    cases = [(4, "none"), (4, "padding"), (2, "causal")] if mode != "max-autotune-no-cudagraphs" else [(2, "padding")]
+    for kv_heads, mask in cases:
+        torch._dynamo.reset()
+        ada = AdaAttention(256, 4, num_kv_heads=kv_heads, rank_mode="full", kernel_manager=AttentionKernelManager(),
+                           device=dev, dtype=torch.bfloat16)
+        kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in _masks(B, S)[mask].items()}
+        x = torch.randn(B, S, 256, device=dev, dtype=torch.bfloat16)
+        ada.tune(x, key_padding_mask=kw.get("key_padding_mask"), attn_mask=kw.get("attn_mask"),
+                 is_causal=kw.get("is_causal", False))
+
+        def f(x):
+            return ada(x, x, x, need_weights=False, **kw)[0]
+
+        # one input buffer that stays put, as a training loop's (CUDA graphs: a fresh input tensor per step trips
+        # their check on outputs overwritten, here for a plain SDPA module too: docs/notebook.md, 2026-11-26)
+        xc = x.clone().requires_grad_()
+        torch._dynamo.mark_static_address(xc)
+        compiled = torch.compile(lambda: f(xc), fullgraph=True, mode=mode)
+        grad = torch.randn_like(x)
+        for _ in range(3):  # CUDA graphs record after warm-up calls; each call a new step
+            torch.compiler.cudagraph_mark_step_begin()
+            xc.grad = None
+            out = compiled()
+            torch.autograd.backward(out, grad)
+        xe = x.clone().requires_grad_()
+        ref = f(xe)
+        torch.autograd.backward(ref, grad)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(xc.grad.float(), xe.grad.float(), atol=5e-2, rtol=5e-2)
+        assert ada.get_statistics()["untuned"] == [], (mode, mask)
