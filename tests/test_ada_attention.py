@@ -515,3 +515,14 @@ def test_ada_attention_on_cuda_auto_precision():
     stats = ada.get_statistics()
     assert stats["precisions"] == {"bfloat16": 2}  # Hopper / Ampere: bf16 compute from fp32 parameters
     assert stats["total_calls"] == 2 and set(stats["calls"]) <= set(BACKENDS), stats
+
+
+def test_a_reduced_compute_dtype_returns_the_projections_dtype():
+    """fp32 parameters computing attention in bf16 (as auto precision does on a GPU): the output projection gets
+    fp32 back, eager and compiled."""
+    ada = AdaAttention(E, H, precision_mode="bf16", rank_mode="full", kernel_manager=AttentionKernelManager())
+    x = torch.randn(2, 8, E)
+    out, _ = ada(x, x, x, need_weights=False)
+    assert out.dtype == torch.float32 and ada.get_statistics()["precisions"] == {"bfloat16": 1}
+    compiled = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), out)

@@ -217,6 +217,11 @@ class AdaAttention(nn.Module):
         """Attention of (B, heads, L, D) q over (B, kv heads, S, D) k, v through the policies' choices: eager, the
         policies decide (and file a plan); compiled, the signature's plan (``_plans``: one dict lookup, so that
         dynamo guards little), else the defaults (``_default_plan``)."""
+        out = self._attend_in(q, k, v, mask, causal, scale)
+        return out if out.dtype == q.dtype else out.to(q.dtype)  # the projections' dtype, as the output projection's
+
+    def _attend_in(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+        """``_attend`` in the compute dtype."""
         mask_kind = "causal" if causal else "none" if mask is None else "mask"
         if torch.compiler.is_compiling():
             grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)

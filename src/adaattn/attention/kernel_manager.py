@@ -46,7 +46,7 @@ DEFAULT = "sdpa"  # the hardware's default: SDPA's own dispatch, for a signature
 # chunked hold or loop over the scores, built for memory rather than speed; flex compiles per shape)
 IN_THE_RUNNING = {"cuda": ("flash_attn", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa"),
                   "cpu": ("sdpa", "sdpa_flash", "sdpa_math", "math")}
-# A backend whose warm-up call took this much longer than the fastest's takes no rounds; then GPU-time rounds,
+# On a CPU, a backend whose warm-up call took this much longer than the fastest's takes no rounds; then rounds,
 # at least and at most, within about BUDGET_MS of calls. Sized for a first call of a new signature within
 # 0.5 s of the direct backend's (the scaling study's first_call_s rows; docs/notebook.md, 2026-11-26)
 CONTENDER = 2.0
@@ -133,7 +133,9 @@ class AttentionKernelManager:
             raise RuntimeError(f"no attention backend can run {sig}: " + "; ".join(
                 f"{n}: {w}" for n, w in self.candidates(sig) if w) + f"; fallbacks: {dict(self.fallbacks)}")
         fastest = min(est.values())
-        names = [n for n in est if est[n] <= CONTENDER * fastest]
+        # on a CPU the warm-up's time is what is ranked, and a backend far behind takes no rounds; on a GPU it holds
+        # the host's time too, which a ranking by GPU time must not prune by: every candidate takes the rounds
+        names = [n for n in est if device == "cuda" or est[n] <= CONTENDER * fastest]
         ms = dict(est)
         if len(names) > 1:
             per_round = sum(est[n] for n in names) * (GPU_CALLS if device == "cuda" else 1)

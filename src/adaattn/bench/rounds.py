@@ -101,9 +101,15 @@ def _gpu_turn(call: Callable[[], object], hold_ms: float, cycles_per_ms: float) 
     return start.elapsed_time(end) / GPU_CALLS, hold_ms
 
 
+@functools.cache
+def _side_stream(index: int) -> torch.cuda.Stream:
+    """One warm-up stream per device: a new stream's first kernels set up its own library handles."""
+    return torch.cuda.Stream(index)
+
+
 def graphed(call: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
     """``call`` captured as a CUDA graph, or None where it cannot be."""
-    side = torch.cuda.Stream()
+    side = _side_stream(torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # capture needs its warm-up on a side stream
         call()
