@@ -256,7 +256,7 @@ def _goal_table(runs: pd.DataFrame, bound: dict[tuple, float]) -> tuple[pd.DataF
             + (f", {open_} undecided" if open_ else "") + f"; worst {_ratio_text(worst)} at B={worst_row['B']} "
             f"S={worst_row['S']} {worst_row['mode']}", hw.get(target, target),
             "does not hold" if above else "inconclusive" if open_ else "holds",
-            ("judged at every shape" if shapes == "every" or not bound else
+            ("judged at every shape" if shapes == "every" or not any(k[0] == target for k in bound) else
              f"judged at GPU-bound shapes only (kernel / host >= {GPU_BOUND:g})")
             + "; by the confidence interval of the median per-round ratio"))
     return pd.DataFrame(rows), verdicts
@@ -275,8 +275,9 @@ def _first_calls(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Verdict]]:
         extra = first["adaattn"] - first[direct[0]]
         measure = g[g["metric"] == "first_call_measure_s"]["value"]
         rows.append({"target": target, "B": int(g["batch"].iloc[0]), "S": int(g["seq_len"].iloc[0]), "mode": mode,
-                     "adaattn s": fmt(first["adaattn"]), f"{direct[0]} s": fmt(first[direct[0]]),
-                     "difference s": fmt(extra), "ranking s": fmt(measure.iloc[0]) if len(measure) else "-"})
+                     "adaattn s": fmt(first["adaattn"]), "ranking s": fmt(measure.iloc[0]) if len(measure) else "-",
+                     "direct": direct[0].removeprefix("direct:"), "direct s": fmt(first[direct[0]]),
+                     "difference s": fmt(extra)})
         by_target.setdefault(target, []).append((extra, rows[-1]))
     hw = dict(zip(runs["target"], runs["hardware"], strict=False))
     verdicts = []
