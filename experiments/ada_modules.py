@@ -46,7 +46,7 @@ from adaattn.attention.providers import DTYPES, PROVIDERS
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload, classify_error
 from adaattn.bench.runner import target_sections
-from adaattn.bench.timing import KernelTrace, UncutTrace, kernel_times_ms, quantiles
+from adaattn.bench.timing import UncutTrace, kernel_times_ms, quantiles
 from adaattn.config import Params, Target
 from adaattn.report.common import Section
 from adaattn_experiments.side_by_side import call_of, paired_ratio_rows, side_by_side_rows

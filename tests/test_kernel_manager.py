@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import adaattn.attention.kernel_manager as km_mod
 from adaattn.attention.backends import BACKENDS, SDP_FLAGS, Signature
-from adaattn.attention.kernel_manager import DEFAULT, IN_THE_RUNNING, METHOD, AttentionKernelManager
+from adaattn.attention.kernel_manager import DEFAULT, IN_THE_RUNNING, AttentionKernelManager
+from adaattn.attention.ranking_cache import METHOD
 from test_ada_attention import _qkv, _sdpa_ref
 
 

@@ -88,7 +88,6 @@ class Backend:
     name: str
     run: Run
     why_not: Callable[[Signature], str | None]
-    keeps_scores: bool = False  # it holds the (L, S) score matrix in memory: its peak grows with L x S
     traceable: bool = True  # torch.compile traces it without a graph break
 
 
@@ -218,13 +217,13 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
                                                                   max_head_dim=128)),
     Backend("sdpa_efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _needs(cuda=True)),
     Backend("sdpa", _sdpa, _needs()),
-    Backend("sdpa_math", _sdpa_forced("MATH"), _needs(), keeps_scores=True),
+    Backend("sdpa_math", _sdpa_forced("MATH"), _needs()),
     # flex builds its block mask and compiles per shape outside a graph; xFormers is an opaque extension call
     Backend("flex", _flex, _needs(cuda=True, masks=("none", "causal"), provider="flex"), traceable=False),
     Backend("xformers", _xformers, _needs(cuda=True, masks=("none", "causal"), provider="xformers_cutlass"),
             traceable=False),
     Backend("chunked", _chunked, _needs()),
-    Backend("math", _math, _needs(), keeps_scores=True),
+    Backend("math", _math, _needs()),
 ]}
 FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xformers", "sdpa_efficient"})
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from adaattn.attention.backends import BACKENDS, FLASH_LIKE, Signature, workload
-from adaattn.attention.ranking_cache import METHOD, RankingCache
+from adaattn.attention.ranking_cache import RankingCache
 from adaattn.bench.rounds import GPU_CALLS, interleaved_samples_ms, warm_ms
 
 log = logging.getLogger(__name__)
