@@ -61,6 +61,7 @@ from adaattn.attention.rank import (
     choose_rank,
     estimate_rank,
     low_rank_attention,
+    skip_reason,
 )
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload
@@ -353,12 +354,8 @@ class RankStudy:
     def _why_exact(self, seen: dict) -> str:
         if seen["tried"] is None:
             return f"estimate {seen['estimate']} is not clearly low (> sample/2 or > S/16)"
-        if seen["speed"] is not None:
-            sp, method = seen["speed"], list(seen["sample_rel_error"])[-1]
-            return (f"{seen['tried']} landmarks ({method}, sampled rel L2 {seen['sample_rel_error'][method]:.3g}): "
-                    f"{sp.low_rank_ms:.3g} ms per call, not faster than {sp.exact}'s {sp.exact_ms:.3g} ms")
-        errs = ", ".join(f"{m} {e:.3g}" for m, e in seen["sample_rel_error"].items())
-        return f"{seen['tried']} landmarks: sampled rel L2 {errs} > {self._sec.error_tolerance}"
+        tolerance = None if seen["speed"] is not None else self._sec.error_tolerance  # only an error names it
+        return skip_reason(None, seen, tolerance)  # AdaAttention's words for its statistics
 
     @staticmethod
     def _full_rank(q: Tensor, k: Tensor) -> Tensor:

@@ -99,6 +99,27 @@ def test_a_compiled_module_runs_the_tuned_backend_and_the_default_without_one(mo
     torch.testing.assert_close(out, ada(x, x, x, need_weights=False)[0], atol=1e-5, rtol=1e-5)
 
 
+def test_an_undecided_signature_traces_its_default_plan_once():
+    """The default plan is made while tracing, a constant of the graph: a ranking another module makes later does
+    not retrace (no guard on the manager's state; guards cost host time on every call); the module's own decision
+    does."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter, manager = CompileCounter(), AttentionKernelManager(backends=["math", DEFAULT])
+    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=manager)
+    compiled = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend=counter, fullgraph=True)
+    x = torch.randn(2, 16, E)
+    with torch.no_grad():
+        compiled(x)
+        AdaAttention(E, H, rank_mode="full", kernel_manager=manager).tune(x, grad=False)
+        assert manager.rankings
+        compiled(x)
+        assert counter.frame_count == 1
+        ada.tune(x, grad=False)
+        compiled(x)
+    assert counter.frame_count == 2
+
+
 def test_tune_decides_both_grad_modes_and_rejects_bad_arguments():
     ada = AdaAttention(E, H, rank_mode="full", kernel_manager=AttentionKernelManager(backends=["sdpa", "math"]))
     x = torch.randn(1, 8, E)

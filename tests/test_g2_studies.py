@@ -180,9 +180,9 @@ def test_rank_study_policy_estimators_and_oracle(monkeypatch):
     assert timed == [["low-rank", "sdpa"]]  # the one case whose path passed its error check
     # a path that is not faster: the exact path, and why, with both times
     seen = {"estimate": 8, "tried": 16, "sample_rel_error": {"pooled": 0.0496}, "speed": Speed(0.413, 0.2, "sdpa")}
-    assert STUDY._why_exact(seen) == ("16 landmarks (pooled, sampled rel L2 0.0496): 0.413 ms per call, not faster "
-                                      "than sdpa's 0.2 ms")
-    assert pol.loc["spread-r8", "value"] == 0 and "rel L2 pooled" in pol.loc["spread-r8", "reason"]
+    assert STUDY._why_exact(seen) == ("16 landmarks (pooled): 0.413 ms per call, not faster than the exact path's "
+                                      "sdpa (0.2 ms)")
+    assert pol.loc["spread-r8", "value"] == 0 and "relative error (pooled" in pol.loc["spread-r8", "reason"]
     assert "nystrom" in pol.loc["spread-r8", "reason"]  # both paths tried, both too far off
     assert pol.loc["random", "value"] == 0 and "not clearly low" in pol.loc["random", "reason"]
     err = df[df.metric == "rel_l2"].pivot_table(index="inputs", columns="provider", values="value")

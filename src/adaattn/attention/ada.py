@@ -1,21 +1,17 @@
 """AdaAttention: a drop-in for ``nn.MultiheadAttention`` with a measured backend choice, adaptive
 precision and adaptive rank, that compiles whole (``torch.compile(fullgraph=True)``, CUDA graphs).
 
-``attn(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-average_attn_weights=True, is_causal=False) -> (output, weights or None)``: ``nn.MultiheadAttention``'s
-call, defaults and conventions (a bool mask marks positions that may NOT be attended, a float mask is
-added to the scores; batched or unbatched inputs). With equal embedding sizes and as many kv heads as
-heads its parameters are ``nn.MultiheadAttention``'s, so its ``state_dict`` loads as it is.
-``num_kv_heads`` < ``num_heads`` is GQA. ``is_causal=True`` needs no mask.
+Its call, defaults, masks and ``state_dict`` are ``nn.MultiheadAttention``'s (batched or unbatched inputs; a
+bool mask marks positions that may NOT be attended; with equal embedding sizes and as many kv heads as heads
+its parameters are MHA's). ``num_kv_heads`` < ``num_heads`` is GQA; ``is_causal=True`` needs no mask.
 
 Three policies decide per input signature (shapes, dtype, mask kind, grad mode): the compute dtype
-(``precision.py``), the exact path or a low-rank one (``rank.py``), and the exact path's backend (the
-kernel manager, ``kernel_manager.py``). They decide on an eager call, or ahead of time with ``tune``.
-Under ``torch.compile`` the module reads the decisions and emits only the chosen path: no measurement,
-no host sync, no data-dependent branch. A signature traced before any decision runs the hardware's
-defaults (its dtype, the exact path, SDPA) and is listed in ``get_statistics()["untuned"]`` with each
-policy that had not decided (precision only where the default is a reduced dtype the guards never saw). With
-``need_weights`` the attention runs as matmul, softmax, matmul, as ``nn.MultiheadAttention``'s does.
+(``precision.py``), the exact path or a low-rank one (``rank.py``) and the exact path's backend (the kernel
+manager). They decide on an eager call, or ahead of time with ``tune``. Under ``torch.compile`` the module
+reads the decisions and emits only the chosen path (no measurement, host sync or data-dependent branch); a
+signature traced before any decision runs the hardware's defaults and is listed in
+``get_statistics()["untuned"]`` with each policy that had not decided. With ``need_weights`` attention runs
+as matmul, softmax, matmul, as MHA's does.
 """
 
 from __future__ import annotations
@@ -24,25 +20,28 @@ import math
 import operator
 import os
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from adaattn.attention.backends import BACKENDS, Signature, attention_probs, signature_key, workload
+from adaattn.attention.args import check_heads, check_policy
+from adaattn.attention.backends import BACKENDS, Signature, attention_probs, sdpa_path, signature_key, workload
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.masks import merge_masks
-from adaattn.attention.precision import PRECISION_MODES, PrecisionPolicy, traced_dtype
-from adaattn.attention.rank import LOW_RANK_METHODS, LowRank, Speed, choose_rank, low_rank_attention
+from adaattn.attention.precision import PrecisionPolicy, traced_dtype
+from adaattn.attention.rank import LOW_RANK_METHODS, LowRank, Speed, choose_rank, low_rank_attention, skip_reason
 from adaattn.layers.attention import _expand_kv
 
 ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file of the shared manager's rankings (``adaattn tune`` fills it)
 MASKED = "masked or causal: the low-rank path has no mask"  # why a call of rank_mode auto or int went exact
-# what the rank policy's cached choices were made under: setting one drops them
-RANK_POLICY_ATTRS = frozenset({"rank_mode", "low_rank_method", "rank_sample_rows", "min_low_rank_len",
-                               "max_rank_error"})
+# what the rank policy's choices and the plans were made under: setting one drops them
+POLICY_ATTRS = frozenset({"rank_mode", "low_rank_method", "rank_sample_rows", "min_low_rank_len", "max_rank_error",
+                          "enable_gpu_optimization"})
 _shared: AttentionKernelManager | None = None
+_compiling = torch.compiler.is_compiling
 
 
 def shared_kernel_manager() -> AttentionKernelManager:
@@ -51,31 +50,6 @@ def shared_kernel_manager() -> AttentionKernelManager:
     if _shared is None:
         _shared = AttentionKernelManager(cache_path=os.environ.get(ENV_CACHE) or None)
     return _shared
-
-
-def check_policy(precision_mode: str, rank_mode: str | int, low_rank_method: str, dropout: float) -> None:
-    """AdaAttention's policy arguments, checked (a ValueError naming the argument and what it allows)."""
-    if precision_mode not in PRECISION_MODES:
-        raise ValueError(f"precision_mode {precision_mode!r} is not one of: {', '.join(PRECISION_MODES)}")
-    if not (rank_mode in ("auto", "full") or (isinstance(rank_mode, int) and not isinstance(rank_mode, bool)
-                                              and rank_mode >= 1)):
-        raise ValueError(f"rank_mode must be 'auto', 'full' or a positive int; got {rank_mode!r}")
-    if low_rank_method not in ("auto", *LOW_RANK_METHODS):
-        raise ValueError(f"low_rank_method {low_rank_method!r} is not one of: auto, {', '.join(LOW_RANK_METHODS)}")
-    check_dropout(dropout)
-
-
-def check_dropout(p: float, name: str = "dropout") -> None:
-    """A dropout probability: a number in [0, 1) (a ValueError naming ``name`` otherwise)."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1); got {p!r}")
-
-
-def sdpa_path(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float,
-              dropout_p: float = 0.0) -> Tensor:
-    """SDPA with dropout (the path without the manager, whose backends take none); GQA by ``enable_gqa``."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                          dropout_p=dropout_p, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class AdaAttention(nn.Module):
@@ -87,13 +61,7 @@ class AdaAttention(nn.Module):
                  kernel_manager: AttentionKernelManager | None = None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int; got {val!r}")
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        check_heads(embed_dim, num_heads, num_kv_heads)
         check_policy(precision_mode, rank_mode, low_rank_method, dropout)
         if not max_rank_error > 0:
             raise ValueError(f"max_rank_error must be > 0; got {max_rank_error}")
@@ -142,8 +110,8 @@ class AdaAttention(nn.Module):
             nn.init.zeros_(self.out_proj.bias)
 
     def __setattr__(self, name: str, value) -> None:
-        if name in RANK_POLICY_ATTRS and "_rank_choice" in self.__dict__:
-            self.__dict__["_rank_choice"] = {}  # the rank policy's choices were made under the old value
+        if name in POLICY_ATTRS and "_rank_choice" in self.__dict__:
+            self.__dict__["_rank_choice"] = {}  # made under the old value (a compiled call retraces)
             self.__dict__["_plans"] = {}
         super().__setattr__(name, value)
 
@@ -173,13 +141,16 @@ class AdaAttention(nn.Module):
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         B, L, E = query.shape
         S = key.shape[1]
-        if E != self.embed_dim or key.shape[2] != self.kdim or value.shape[2] != self.vdim or key.shape[0] != B \
+        # packed weights: kdim == vdim == embed_dim (one attribute read fewer each: dynamo guards every read)
+        kdim, vdim = (self.embed_dim,) * 2 if self._packed else (self.kdim, self.vdim)
+        if E != self.embed_dim or key.shape[2] != kdim or value.shape[2] != vdim or key.shape[0] != B \
                 or value.shape[:2] != (B, S):
-            raise ValueError(f"expected query (B, L, {self.embed_dim}), key (B, S, {self.kdim}), value (B, S, "
-                             f"{self.vdim}); got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+            raise ValueError(f"expected query (B, L, {self.embed_dim}), key (B, S, {kdim}), value (B, S, {vdim}); "
+                             f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
         q, k, v = self._project(query, key, value)
-        mask, causal = merge_masks(attn_mask, key_padding_mask, is_causal, B, self.num_heads, L, S, q.device)
-        scale = 1 / math.sqrt(self.head_dim)
+        mask, causal = (None, is_causal) if attn_mask is None and key_padding_mask is None else \
+            merge_masks(attn_mask, key_padding_mask, is_causal, B, self.num_heads, L, S, q.device)
+        scale = self.head_dim ** -0.5
         weights = None
         if need_weights:
             out, weights = self._with_weights(q, k, v, mask, causal, scale, average_attn_weights)
@@ -214,31 +185,37 @@ class AdaAttention(nn.Module):
         return q, k, v
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
-        """Attention of (B, heads, L, D) q over (B, kv heads, S, D) k, v through the policies' choices: eager, the
-        policies decide (and file a plan); compiled, the signature's plan (``_plans``: one dict lookup, so that
-        dynamo guards little), else the defaults (``_default_plan``)."""
-        out = self._attend_in(q, k, v, mask, causal, scale)
-        return out if out.dtype == q.dtype else out.to(q.dtype)  # the projections' dtype, as the output projection's
-
-    def _attend_in(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
-        """``_attend`` in the compute dtype."""
-        mask_kind = "causal" if causal else "none" if mask is None else "mask"
-        if torch.compiler.is_compiling():
-            grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        """Attention of (B, heads, L, D) q over (B, kv heads, S, D) k, v through the policies' choices, returned in
+        the projections' dtype. Eager, the policies decide and file the signature's plan; compiled, the plan is
+        read (one dict lookup: dynamo guards each attribute a trace reads, and guards cost host time per call),
+        else the defaults (``_default_plan``)."""
+        in_dtype, mask_kind = q.dtype, "causal" if causal else "none" if mask is None else "mask"
+        if _compiling():
+            grad = q.requires_grad or k.requires_grad  # the projections' outputs: False under no_grad
             # operator.index: a size dynamo made dynamic is specialised here (a signature is per shape)
-            sig = signature_key(q.device.type, q.device.index, q.dtype, tuple(map(operator.index, q.shape)),
-                                tuple(map(operator.index, k.shape)), mask_kind, grad)
-            dtype, rank, run = self._plans.get(sig) or self._default_plan(sig, q, k, mask_kind, grad)
+            q_shape, k_shape = [operator.index(n) for n in q.shape], [operator.index(n) for n in k.shape]
+            sig = signature_key(q.device.type, q.device.index, q.dtype, q_shape, k_shape, mask_kind, grad)
+            plan = self._plans.get(sig)
+            if plan is None:
+                name, low, backend = self._default_plan(sig, (q.device.type, q.device.index), q.dtype, q_shape,
+                                                        k_shape, mask_kind, grad)
+                plan = getattr(torch, name), low and LowRank(*low), backend and BACKENDS[backend].run
+            dtype, rank, run = plan
             if q.dtype != dtype:
                 q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             if rank is not None:
-                return low_rank_attention(q, k, v, rank, scale=scale)
-            if run is not None and self._through_manager():
-                return run(q, k, v, mask, causal, scale)
-            return sdpa_path(q, k, v, mask, causal, scale, self.dropout if self.training else 0.0)
+                out = low_rank_attention(q, k, v, rank, scale=scale)
+            elif run is not None and not (self.dropout and self.training):  # the manager's backends take no dropout
+                out = run(q, k, v, mask, causal, scale)
+            else:
+                out = sdpa_path(q, k, v, mask, causal, scale, self.dropout if self.training else 0.0)
+            return out if out.dtype == in_dtype else out.to(in_dtype)
         signature = Signature.of(q, k, mask_kind)
         sig = signature.key()
-        dtype = self._dtype(sig, q, k, v, scale)
+        dtype = q.dtype  # without the optimisation, the inputs'; else the precision policy's (its guards read them)
+        if self.enable_gpu_optimization or self.precision.mode != "auto":
+            self._untuned.discard(f"{sig}: precision")
+            dtype = self.precision.choose(q, k, v, scale, HardwareCapabilities.detect(q.device), sig)
         if q.dtype != dtype:
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             signature = Signature.of(q, k, mask_kind)  # the manager's: in the compute dtype
@@ -255,28 +232,27 @@ class AdaAttention(nn.Module):
         else:
             out = sdpa_path(q, k, v, mask, causal, scale, self.dropout if self.training else 0.0)
         self._plans[sig] = (dtype, rank, run)
-        return out
+        return out if out.dtype == in_dtype else out.to(in_dtype)  # the output projection's dtype
 
-    def _default_plan(self, sig: str, q: Tensor, k: Tensor, mask_kind: str, grad: bool) -> tuple:
-        """A compiled call's plan for a signature no eager call decided: the last decisions the policies made for
-        it, else the hardware's defaults; each policy without a decision is listed in ``_untuned``."""
-        dtype = self.precision.decided(sig)
-        if dtype is None:
-            dtype = traced_dtype(self.precision.mode, q.device.type, q.device.index) \
-                if self.enable_gpu_optimization or self.precision.mode != "auto" else q.dtype
+    @torch.compiler.assume_constant_result  # made while tracing, a constant of the graph: no guard on the state read
+    def _default_plan(self, sig: str, device: tuple[str, int | None], dtype: torch.dtype, q_shape: Sequence[int],
+                      k_shape: Sequence[int], mask_kind: str, grad: bool) -> tuple[str, tuple | None, str | None]:
+        """A compiled call's plan for a signature no eager call decided, by name: the last decisions the policies
+        made for it, else the hardware's defaults; each policy without a decision is listed in ``_untuned``."""
+        decided = self.precision.decided(sig)
+        if decided is not None:
+            dtype = decided
+        elif self.enable_gpu_optimization or self.precision.mode != "auto":
+            dtype = traced_dtype(self.precision.mode, *device)
             if self.precision.mode == "auto" and dtype != torch.float32 and self.enable_gpu_optimization:
                 self._untuned.add(f"{sig}: precision")  # a reduced dtype its guards never checked
-        rank = None
-        if self.rank_mode != "full" and mask_kind == "none":
-            if isinstance(self.rank_mode, int):
-                rank = LowRank("nystrom" if self.low_rank_method == "auto" else self.low_rank_method, self.rank_mode)
-            elif sig in self._rank_choice:
-                rank = self._rank_choice[sig]
-            else:
-                self._untuned.add(f"{sig}: rank")
-        exact = Signature.make(q.device.type, q.device.index, dtype, tuple(map(operator.index, q.shape)),
-                               tuple(map(operator.index, k.shape)), mask_kind, grad)
-        return dtype, rank, BACKENDS[self.manager.traced_backend(exact)].run
+        decided, rank = self._rank_without_data(sig, mask_kind)
+        if not decided:
+            self._untuned.add(f"{sig}: rank")
+        if not self.enable_gpu_optimization:
+            return str(dtype).removeprefix("torch."), rank and tuple(rank), None
+        exact = Signature.make(*device, dtype, q_shape, k_shape, mask_kind, grad)
+        return str(dtype).removeprefix("torch."), rank and tuple(rank), self.manager.traced_backend(exact)
 
     def _with_weights(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
                       average: bool) -> tuple[Tensor, Tensor]:
@@ -291,26 +267,23 @@ class AdaAttention(nn.Module):
     def _through_manager(self) -> bool:
         return self.enable_gpu_optimization and not (self.dropout and self.training)  # its backends take no dropout
 
-    def _dtype(self, sig: str, q: Tensor, k: Tensor, v: Tensor, scale: float) -> torch.dtype:
-        """The compute dtype: the precision policy's (its guards look at the inputs); the inputs' own without
-        the optimisation."""
-        if not (self.enable_gpu_optimization or self.precision.mode != "auto"):
-            return q.dtype
-        self._untuned.discard(f"{sig}: precision")
-        return self.precision.choose(q, k, v, scale, HardwareCapabilities.detect(q.device), sig)
+    def _rank_without_data(self, sig: str, mask_kind: str) -> tuple[bool, LowRank | None]:
+        """(decided, the path: None for exact) where no data is needed: rank full, a mask, a fixed rank, or the
+        signature's earlier choice."""
+        if self.rank_mode == "full" or mask_kind != "none":
+            return True, None
+        if isinstance(self.rank_mode, int):
+            return True, LowRank("nystrom" if self.low_rank_method == "auto" else self.low_rank_method, self.rank_mode)
+        return sig in self._rank_choice, self._rank_choice.get(sig)
 
     def _rank(self, sig: str, q: Tensor, k: Tensor, v: Tensor, mask_kind: str, scale: float) -> LowRank | None:
         """The low-rank path and its landmarks for this call, or None for the exact path: the policy's check on
         sampled rows, once per signature."""
-        if self.rank_mode == "full":
-            return None
-        if mask_kind != "none":
+        if self.rank_mode != "full" and mask_kind != "none":
             self._low_rank_skipped[MASKED] += 1
-            return None
-        if isinstance(self.rank_mode, int):
-            return LowRank("nystrom" if self.low_rank_method == "auto" else self.low_rank_method, self.rank_mode)
-        if sig in self._rank_choice:
-            return self._rank_choice[sig]
+        decided, r = self._rank_without_data(sig, mask_kind)
+        if decided:
+            return r
         self._untuned.discard(f"{sig}: rank")
         methods = LOW_RANK_METHODS if self.low_rank_method == "auto" else (self.low_rank_method,)
         r, seen = choose_rank(q, k, v, sample=self.rank_sample_rows, min_len=self.min_low_rank_len,
@@ -318,14 +291,9 @@ class AdaAttention(nn.Module):
                               speed=lambda choice: self._low_rank_speed(q, k, v, scale, choice))
         if seen["estimate"] is not None:
             self._ranks[f"estimated {seen['estimate']}"] += 1
-        if seen["speed"] is not None and r is None:
-            sp, method = seen["speed"], list(seen["sample_rel_error"])[-1]
-            self._low_rank_skipped[f"{seen['tried']} landmarks ({method}): {sp.low_rank_ms:.3g} ms per call, "
-                                   f"not faster than the exact path's {sp.exact} ({sp.exact_ms:.3g} ms)"] += 1
-        elif seen["tried"] is not None and r is None:
-            errs = ", ".join(f"{m} {e:.3g}" for m, e in seen["sample_rel_error"].items())
-            self._low_rank_skipped[f"{seen['tried']} landmarks: sampled rows' relative error ({errs}) "
-                                   f"> {self.max_rank_error}"] += 1
+        why = skip_reason(r, seen, self.max_rank_error)
+        if why:
+            self._low_rank_skipped[why] += 1
         self._rank_choice[sig] = r
         return r
 
@@ -359,7 +327,7 @@ class AdaAttention(nn.Module):
             raise TypeError("tune takes tensors: query, and optionally key and value (self-attention without them)")
         if grad not in (None, True, False):
             raise ValueError(f"grad must be True, False or None (both); got {grad!r}")
-        if torch.compiler.is_compiling():
+        if _compiling():
             raise RuntimeError("tune runs eagerly, before torch.compile traces the module")
         key = query if key is None else key
         value = key if value is None else value

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +53,8 @@ class Signature:
         return Signature.make(q.device.type, q.device.index, q.dtype, tuple(q.shape), tuple(k.shape), mask, grad)
 
     @staticmethod
-    def make(device_type: str, index: int | None, dtype: torch.dtype, q_shape: tuple[int, ...],
-             k_shape: tuple[int, ...], mask: str, grad: bool) -> Signature:
+    def make(device_type: str, index: int | None, dtype: torch.dtype, q_shape: Sequence[int],
+             k_shape: Sequence[int], mask: str, grad: bool) -> Signature:
         if mask not in MASK_KINDS:
             raise ValueError(f"mask kind {mask!r} is not one of: {', '.join(MASK_KINDS)}")
         (B, H, L, D), (Hkv, S) = (int(n) for n in q_shape), (int(k_shape[1]), int(k_shape[2]))
@@ -63,8 +63,8 @@ class Signature:
 
 
 @torch.compiler.assume_constant_result  # a constant of the compiled graph: no guard on how it was made
-def signature_key(device_type: str, index: int | None, dtype: torch.dtype, q_shape: tuple[int, ...],
-                  k_shape: tuple[int, ...], mask: str, grad: bool) -> str:
+def signature_key(device_type: str, index: int | None, dtype: torch.dtype, q_shape: Sequence[int],
+                  k_shape: Sequence[int], mask: str, grad: bool) -> str:
     """``Signature.make(...).key()``, for a compiled call."""
     return Signature.make(device_type, index, dtype, q_shape, k_shape, mask, grad).key()
 
@@ -91,9 +91,12 @@ class Backend:
     traceable: bool = True  # torch.compile traces it without a graph break
 
 
-def _sdpa(q, k, v, attn_mask, is_causal, scale):
+def sdpa_path(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float,
+              dropout_p: float = 0.0) -> Tensor:
+    """SDPA's own dispatch (the ``sdpa`` backend), and with dropout the path without the manager (whose backends
+    take none); GQA by ``enable_gqa``."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+                                          dropout_p=dropout_p, enable_gqa=q.shape[1] != k.shape[1])
 
 
 # SDPA's backend flags, as ``sdpa_kernel`` names them (torch._C._get_<name>_sdp_enabled, _set_sdp_use_<name>)
@@ -116,12 +119,12 @@ def _sdpa_forced(backend: str) -> Run:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             with sdpa_kernel([getattr(SDPBackend, backend)]):
-                return _sdpa(q, k, v, attn_mask, is_causal, scale)
+                return sdpa_path(q, k, v, attn_mask, is_causal, scale)
         changed = [(put, on) for get, put, on in flags if get() is not on]
         for put, on in changed:
             put(on)
         try:
-            return _sdpa(q, k, v, attn_mask, is_causal, scale)
+            return sdpa_path(q, k, v, attn_mask, is_causal, scale)
         finally:
             for put, on in changed:
                 put(not on)
@@ -216,7 +219,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("sdpa_cudnn", _sdpa_forced("CUDNN_ATTENTION"), _needs(cuda=True, half=True, masks=("none", "causal"),
                                                                   max_head_dim=128)),
     Backend("sdpa_efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _needs(cuda=True)),
-    Backend("sdpa", _sdpa, _needs()),
+    Backend("sdpa", sdpa_path, _needs()),
     Backend("sdpa_math", _sdpa_forced("MATH"), _needs()),
     # flex builds its block mask and compiles per shape outside a graph; xFormers is an opaque extension call
     Backend("flex", _flex, _needs(cuda=True, masks=("none", "causal"), provider="flex"), traceable=False),

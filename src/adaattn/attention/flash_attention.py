@@ -28,8 +28,9 @@ import math
 
 from torch import Tensor
 
-from adaattn.attention.ada import AdaAttention, check_dropout, check_policy, sdpa_path, shared_kernel_manager
-from adaattn.attention.backends import BACKENDS, FLASH_LIKE
+from adaattn.attention.ada import AdaAttention, shared_kernel_manager
+from adaattn.attention.args import check_dropout, check_policy
+from adaattn.attention.backends import BACKENDS, FLASH_LIKE, sdpa_path
 from adaattn.attention.chunked import check_mask, check_qkv
 from adaattn.attention.chunked import chunked_attention as memory_efficient_attention
 from adaattn.attention.hardware import CUDAManager

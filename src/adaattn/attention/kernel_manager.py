@@ -1,26 +1,17 @@
 """AttentionKernelManager: per input signature, the attention backend measured fastest on this machine.
 
-Dispatch: for a signature (hardware, dtype, batch, heads, kv heads, head dim, query and key lengths
-rounded up to a power of two, mask kind, grad mode) the manager looks up its ranking, measures one on
-an eager call when it has none, runs the first backend that works and falls back down the ranking
-(the reason logged once per backend and reason, and counted in ``get_statistics()``).
+Dispatch: a signature (hardware, dtype, batch, heads, kv heads, head dim, query and key lengths rounded up
+to a power of two, mask kind, grad mode) is looked up in the rankings, measured on an eager call when it has
+none, and run by the first backend that works, falling back down the ranking (each reason logged once and
+counted in ``get_statistics()``). Under ``torch.compile`` nothing is measured: ``traced_backend`` names the
+backend to emit, the ranking's first that traces, or ``DEFAULT`` (the signature is then listed as untuned).
 
-Which backends are measured: those named, or by default the few the hardware leaves in the running
-(``IN_THE_RUNNING``): on a GPU the fused kernels (flash-attn, SDPA's cuDNN, flash and efficient kernels
-forced, SDPA's own dispatch); on a CPU SDPA's kernels and the textbook matmul path. FlexAttention
-compiles per shape (seconds) and xFormers is an opaque call under ``torch.compile``: a manager given
-them by name ranks them too.
-
-Measurement (``bench.rounds``): each candidate warmed up, then a few shuffled rounds of GPU-time turns
-(the op's work with the host's time kept out, as CUDA graphs and GPU-bound models run it), about
-``budget_ms`` of calls; the ranking is by the median turn. A ranking is measured on the inputs of the
-first call, in a fraction of a second, and persisted (``cache_path``: a JSON file written atomically)
-with the GPU, torch and Triton versions and the measuring ``METHOD`` (``ranking_cache.py``); an entry
-made under others is ignored, the reason kept in ``get_statistics()["stale"]``.
-
-Under ``torch.compile`` nothing is measured: ``traced_backend`` names the backend to emit, the
-ranking's first that traces, or ``DEFAULT`` for a signature without one (listed in
-``get_statistics()["untuned"]``).
+Measurement (``bench.rounds``, shared with the studies): the backends named, or the few the hardware leaves
+in the running (``IN_THE_RUNNING``), each warmed up, then a few shuffled rounds of GPU-time turns (the call
+captured as a CUDA graph and replayed: the host's time kept out, as compiled models run it), about
+``budget_ms`` of calls, ranked by the median turn. Rankings persist (``cache_path``, ``ranking_cache.py``)
+with the GPU, torch and Triton versions and the ``METHOD``; an entry made under others is ignored, the reason
+kept in ``get_statistics()["stale"]``.
 """
 
 from __future__ import annotations
@@ -86,22 +77,12 @@ class AttentionKernelManager:
 
     # ------------------------------------------------------------------ candidates
 
-    @property
-    def disabled(self) -> frozenset[str]:
-        return self._disabled
-
     def disable(self, *names: str) -> None:
         """Make backends unavailable to this manager; calls go down the ranking past them."""
-        self._set_disabled(self._disabled | set(names))
-
-    def enable(self, *names: str) -> None:
-        self._set_disabled(self._disabled - set(names))
-
-    def _set_disabled(self, names: frozenset[str] | set[str]) -> None:
         unknown = sorted(n for n in names if n not in BACKENDS)
         if unknown:
             raise ValueError(f"unknown attention backend(s) {unknown}; allowed: {', '.join(BACKENDS)}")
-        self._disabled = frozenset(names)
+        self._disabled |= set(names)
 
     def candidates(self, sig: Signature) -> list[tuple[str, str | None]]:
         """(backend, reason it is not measured or None) for every backend this manager may measure."""

@@ -246,6 +246,19 @@ class Speed(NamedTuple):
     exact: str  # what the exact path runs (a kernel manager's backend)
 
 
+def skip_reason(choice: LowRank | None, seen: dict, max_rel_error: float | None) -> str | None:
+    """Why ``choose_rank`` (its ``seen``) left a path it tried for the exact one: too slow, or its sampled rows'
+    error above ``max_rel_error``; None where it took one or tried none."""
+    if choice is not None or seen["tried"] is None:
+        return None
+    if seen["speed"] is not None:
+        sp, method = seen["speed"], list(seen["sample_rel_error"])[-1]
+        return (f"{seen['tried']} landmarks ({method}): {sp.low_rank_ms:.3g} ms per call, not faster than the exact "
+                f"path's {sp.exact} ({sp.exact_ms:.3g} ms)")
+    errs = ", ".join(f"{m} {e:.3g}" for m, e in seen["sample_rel_error"].items())
+    return f"{seen['tried']} landmarks: sampled rows' relative error ({errs}) > {max_rel_error}"
+
+
 def choose_rank(q: Tensor, k: Tensor, v: Tensor, sample: int = 64, min_len: int = 1024,
                 max_rel_error: float = 0.05, scale: float | None = None,
                 methods: tuple[str, ...] = LOW_RANK_METHODS,
