@@ -121,8 +121,17 @@ def graphed(call: Callable[[], object]) -> torch.cuda.CUDAGraph | None:
             call()
     except Exception:  # noqa: BLE001 - e.g. a call that synchronises: timed behind a hold instead
         torch.cuda.synchronize()
+        _end_rng_capture()
         return None
     return graph
+
+
+def _end_rng_capture() -> None:
+    """A failed capture leaves the CUDA generator in capture mode (torch 2.11, 2.13): every later random op on
+    the device raises "Offset increment outside graph capture". A capture that succeeds ends it."""
+    flag = torch.zeros(1, device="cuda")
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        flag.add_(1)
 
 
 def _replay_turn(graph: torch.cuda.CUDAGraph) -> float:
