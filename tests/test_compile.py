@@ -10,7 +10,7 @@ import torch
 
 import adaattn.attention.kernel_manager as km_mod
 from adaattn.attention.ada import AdaAttention
-from adaattn.attention.backends import BACKENDS
+from adaattn.attention.backends import BACKENDS, FORCED, sdpa_path, traced_run
 from adaattn.attention.kernel_manager import DEFAULT, AttentionKernelManager
 from adaattn.attention.tune import Shape, cache_path, tune_shapes
 
@@ -118,6 +118,23 @@ def test_an_undecided_signature_traces_its_default_plan_once():
         ada.tune(x, grad=False)
         compiled(x)
     assert counter.frame_count == 2
+
+
+def test_a_forced_sdpa_backend_that_sdpa_picks_anyway_is_traced_as_sdpas_own_call():
+    """The same kernel without ``sdpa_kernel`` around it (flags and guards on every compiled call); a forced backend
+    SDPA would not pick stays forced."""
+    q = torch.randn(1, 4, 8, 16)
+    as_sdpa = [n for n in FORCED if traced_run(n, q, q, q, None, False, None) is sdpa_path]
+    assert as_sdpa == ["sdpa_flash"]  # SDPA's CPU kernel for fp32 without a mask
+    assert traced_run("sdpa_math", q, q, q, None, False, None) is BACKENDS["sdpa_math"].run
+    assert traced_run("math", q, q, q, None, True, None) is BACKENDS["math"].run
+    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=AttentionKernelManager(backends=["sdpa_flash"]))
+    x = torch.randn(2, 16, E)
+    with torch.no_grad():
+        (d,) = ada.tune(x, grad=False).values()
+        out = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend="eager", fullgraph=True)(x)
+    assert d["backends"] == ["sdpa_flash"] and [plan[2] for plan in ada._plans.values()] == [sdpa_path]
+    torch.testing.assert_close(out, ada(x, x, x, need_weights=False)[0])
 
 
 def test_tune_decides_both_grad_modes_and_rejects_bad_arguments():

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.args import check_heads, check_policy
-from adaattn.attention.backends import BACKENDS, Signature, attention_probs, sdpa_path, signature_key, workload
+from adaattn.attention.backends import (BACKENDS, Signature, attention_probs, sdpa_path, signature_key, traced_run,
+                                        workload)
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.masks import merge_masks
@@ -228,7 +229,8 @@ class AdaAttention(nn.Module):
         elif self._through_manager():
             self._exact_sig[sig] = signature.key()
             out, name = self.manager(q, k, v, mask, causal, scale, sig=signature)
-            run = BACKENDS[name if BACKENDS[name].traceable else self.manager.traced_backend(signature)].run
+            traced = name if BACKENDS[name].traceable else self.manager.traced_backend(signature)
+            run = traced_run(traced, q, k, v, mask, causal, scale)
         else:
             out = sdpa_path(q, k, v, mask, causal, scale, self.dropout if self.training else 0.0)
         self._plans[sig] = (dtype, rank, run)

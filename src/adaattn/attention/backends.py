@@ -104,6 +104,8 @@ SDP_FLAGS = tuple(n for n in ("flash", "mem_efficient", "cudnn", "math", "overri
                   if hasattr(torch._C, f"_get_{n}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{n}"))
 _FLAG_OF = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "mem_efficient", "CUDNN_ATTENTION": "cudnn",
             "MATH": "math"}
+FORCED = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION",
+          "sdpa_math": "MATH"}  # the forced SDPA backends and the SDPBackend each forces
 
 
 def _sdpa_forced(backend: str) -> Run:
@@ -133,6 +135,22 @@ def _sdpa_forced(backend: str) -> Run:
 
 
 _compiling = torch.compiler.is_compiling
+
+
+def traced_run(name: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+               scale: float | None) -> Run:
+    """What a compiled call emits for backend ``name`` on inputs like these: a forced SDPA backend whose kernel
+    SDPA's own dispatch picks anyway is SDPA's own call, the same kernel without ``sdpa_kernel`` (which dynamo
+    keeps as flags and guards around the graph: host time on every compiled call, docs/notebook.md)."""
+    forced = FORCED.get(name)
+    if forced is not None:
+        from torch.nn.attention import SDPBackend
+
+        picked = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+        if picked == int(getattr(SDPBackend, forced)):
+            return sdpa_path
+    return BACKENDS[name].run
 
 
 def attention_probs(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool,
@@ -214,13 +232,13 @@ def _needs(*, cuda: bool = False, half: bool = False, half_on_cuda: bool = False
 BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("flash_attn", _flash_attn, _needs(cuda=True, half=True, masks=("none", "causal"), max_head_dim=256,
                                               provider="flash_attn", equal_lengths=True)),
-    Backend("sdpa_flash", _sdpa_forced("FLASH_ATTENTION"), _needs(masks=("none", "causal"), max_head_dim=256,
+    Backend("sdpa_flash", _sdpa_forced(FORCED["sdpa_flash"]), _needs(masks=("none", "causal"), max_head_dim=256,
                                                                   half_on_cuda=True)),
-    Backend("sdpa_cudnn", _sdpa_forced("CUDNN_ATTENTION"), _needs(cuda=True, half=True, masks=("none", "causal"),
+    Backend("sdpa_cudnn", _sdpa_forced(FORCED["sdpa_cudnn"]), _needs(cuda=True, half=True, masks=("none", "causal"),
                                                                   max_head_dim=128)),
-    Backend("sdpa_efficient", _sdpa_forced("EFFICIENT_ATTENTION"), _needs(cuda=True)),
+    Backend("sdpa_efficient", _sdpa_forced(FORCED["sdpa_efficient"]), _needs(cuda=True)),
     Backend("sdpa", sdpa_path, _needs()),
-    Backend("sdpa_math", _sdpa_forced("MATH"), _needs()),
+    Backend("sdpa_math", _sdpa_forced(FORCED["sdpa_math"]), _needs()),
     # flex builds its block mask and compiles per shape outside a graph; xFormers is an opaque extension call
     Backend("flex", _flex, _needs(cuda=True, masks=("none", "causal"), provider="flex"), traceable=False),
     Backend("xformers", _xformers, _needs(cuda=True, masks=("none", "causal"), provider="xformers_cutlass"),
