@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a bare GPU machine that has torch/triton but no network: install the wheels carried in
-# .whl/ (pydantic, xformers, ...; see README "Measuring on a GPU box without network") and this
+# .whl/ (pydantic, xformers, ...; see docs/gpu-box.md) and this
 # package, without touching the machine's torch. Source it: `. scripts/device_setup.sh`.
 set -e
 if compgen -G ".whl/*.whl" > /dev/null; then

@@ -54,7 +54,7 @@ def check_hardware(name: str, target: Target) -> None:
     if target.gpu_name.lower() not in gpu.lower():
         raise ConfigError(
             f"target {name!r} is for a GPU whose name contains {target.gpu_name!r}; this machine has {gpu!r}. "
-            f"Add a target for it in params.yaml (see README, 'Adding a GPU') instead of relabelling."
+            f"Add a target for it in params.yaml (docs/gpu-box.md, 'Targets') instead of relabelling."
         )
 
 
