@@ -5,7 +5,7 @@ import copy
 import pytest
 import yaml
 
-from adaattn.bench.runner import check_hardware, resolve_target
+from adaattn.bench.runner import check_hardware, check_study_target, resolve_target
 from adaattn.config import ConfigError, load_params, params_hash, parse_override, set_override, validate
 
 
@@ -79,6 +79,16 @@ def test_overrides(repo):
         parse_override("G1-T1.cpu.seq_lens")
     with pytest.raises(ConfigError, match="G1-T1.cpu.seq_lens"):
         load_params(repo / "params.yaml", ["G1-T1.cpu.seq_lens=[0]"])
+    with pytest.raises(ConfigError, match=r"override 'G1-T1.cpu.seq_lens=\[128, 256': VALUE is not valid YAML"):
+        parse_override("G1-T1.cpu.seq_lens=[128, 256")
+
+
+def test_a_broken_params_file_is_one_line_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("targets:\n  cpu: {device: cpu\nbench: 1\n")
+    with pytest.raises(ConfigError, match=r"params.yaml is not valid YAML: .* at line \d+") as info:
+        load_params(path)
+    assert "\n" not in str(info.value)
 
 
 def test_set_override_only_existing_paths():
@@ -101,6 +111,10 @@ def test_target_checks(repo):
     with pytest.raises(ConfigError, match="allowed: cpu"):
         resolve_target(params, "tpu")
     resolve_target(params, "cpu")
+    with pytest.raises(ConfigError, match=r"study 'kernels' has no target 'h200' .*its targets: cpu, h100"):
+        check_study_target("kernels", params, "h200")
+    check_study_target("kernels", params, "h100")
+    check_study_target("attention_backends", params, "h200")  # no study_targets entry: every target
 
 
 def test_gpu_target_refused_without_that_gpu(repo, monkeypatch):
@@ -108,8 +122,8 @@ def test_gpu_target_refused_without_that_gpu(repo, monkeypatch):
 
     params, _ = load_params(repo / "params.yaml")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
-        check_hardware("h100", params.targets["h100"])
+    with pytest.raises(ConfigError, match=r"needs a CUDA GPU.*`dvc repro -f kernels@h100`"):
+        check_hardware("h100", params.targets["h100"], "kernels")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ConfigError, match="this machine has 'NVIDIA A100"):

@@ -40,7 +40,15 @@ def resolve_target(params: Params, name: str) -> Target:
     return params.targets[name]
 
 
-def check_hardware(name: str, target: Target) -> None:
+def check_study_target(study: str, params: Params, name: str) -> None:
+    """A study with ``study_targets`` runs on those targets only (its DVC stages are ``<study>@<target>``)."""
+    own = params.study_targets.get(study)
+    if own is not None and name not in own:
+        raise ConfigError(f"study {study!r} has no target {name!r} (no stage {study}@{name}); its targets: "
+                          f"{', '.join(own)} (params.yaml study_targets.{study})")
+
+
+def check_hardware(name: str, target: Target, stage: str = "<study>") -> None:
     """Refuse to measure a target on hardware that is not it."""
     if target.device == "cpu":
         return
@@ -48,7 +56,7 @@ def check_hardware(name: str, target: Target) -> None:
         raise ConfigError(
             f"target {name!r} needs a CUDA GPU whose name contains {target.gpu_name!r}, but this machine has "
             f"no CUDA device (CPU: {cpu_model()}). Its committed results are left as they are; measure it on "
-            f"that GPU with `dvc repro -f <stage>@{name}` there."
+            f"that GPU with `dvc repro -f {stage}@{name}` there."
         )
     gpu = torch.cuda.get_device_name(0)
     if target.gpu_name.lower() not in gpu.lower():
@@ -70,7 +78,8 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
               console: Console | None = None) -> Path:
     console = console or Console(stderr=True)
     target = resolve_target(params, target_name)
-    check_hardware(target_name, target)
+    check_study_target(study.name, params, target_name)
+    check_hardware(target_name, target, study.name)
     study = study.bind(target.device)
     cases = study.cases(params, target)
     phash = params_hash(study.param_sections(raw, target, target_name))
