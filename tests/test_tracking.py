@@ -45,3 +45,38 @@ def test_logging_is_idempotent_and_replaces_remeasured_targets(repo, tmp_path, c
     child = next(r for r in after if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
                  and r.data.params.get("provider") == "sdpa_cudnn")
     assert child.data.tags["status.fwd"] == "unavailable" and "no cpu implementation" in child.data.tags["reason.fwd"]
+
+
+def test_runs_hold_integer_params_mode_keys_measurement_time_figures_and_the_report(repo, tmp_path, client):
+    """Integers filter as integers, a row without a mode makes no "nan." key, metrics carry the measurement's
+    time, and every figure of the target (whatever its name's order) and the study's report are artifacts."""
+    from adaattn.tracking.mlflow_log import _child_runs, _clean, _key
+
+    assert (_clean(16384.0), _clean(0.5), _clean(float("nan")), _key("", "manager_ranking")) == \
+        ("16384", "0.5", "", "manager_ranking")
+    df = pd.read_csv(repo / "results/scaling/h100.csv")
+    keys = {k for _, _, metrics, tags in _child_runs(df, ["batch", "seq_len"]) for k in (*metrics, *tags)}
+    assert keys and not any(k.startswith("nan") or k.endswith(".") or ".nan" in k for k in keys)
+    # per-head rows (the rank study's estimates): one run per head, no value overwrites another
+    rank = pd.read_csv(repo / "results/rank/cpu.csv")
+    rank = rank[(rank.case_id != "machine") & (rank.status == "ok")]
+    runs = list(_child_runs(rank, ["inputs", "true_rank", "batch", "heads", "seq_len", "head_dim", "dtype", "head"]))
+    assert len({name for name, *_ in runs}) == len(runs)
+    assert sum(len(m) for _, _, m, _ in runs) == len(rank) + rank.p20.notna().sum() * 2
+    path = tmp_path / "h100.csv"
+    shutil.copy(repo / "results/attention_backends/h100.csv", path)
+    figures = [tmp_path / "G1-T1_h100_bf16.png", tmp_path / "g2_b_seq_h100.png"]
+    for f in figures:
+        f.write_bytes(b"png")
+    report = tmp_path / "attention_backends.md"
+    report.write_text("# report")
+    log_results_file(client, "attention_backends", path, CONFIG, figures, report)
+    parent = next(r for r in _runs(client) if KEY_TAG in r.data.tags)
+    names = sorted(a.path for a in client.list_artifacts(parent.info.run_id)) + sorted(
+        a.path for a in client.list_artifacts(parent.info.run_id, "figures"))
+    assert names == ["attention_backends.md", "figures", "figures/G1-T1_h100_bf16.png", "figures/g2_b_seq_h100.png"]
+    measured = pd.Timestamp(pd.read_csv(path)["measured_at"].iloc[0]).timestamp() * 1000
+    (copy,) = client.get_metric_history(parent.info.run_id, "machine.copy_gbps")
+    assert copy.timestamp == int(measured)
+    child = next(r for r in _runs(client) if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id)
+    assert "." not in child.data.params["seq_len"], child.data.params

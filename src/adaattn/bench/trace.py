@@ -5,12 +5,7 @@ variable ``TEARDOWN_CUPTI`` is "1" when the session stops (it reads it then); CU
 then stay on every later CUDA launch of the process. The studies profile calls (peak memory and
 kernel names, kernel time, the Triton kernels' tuning) and then time calls that are host-bound
 (host time, the side-by-side rounds, the kernel manager's rankings), so without it those carry a
-profiler that is no longer running. Lent H100 (torch 2.11, CUDA 13; scratch at code 509c3e5b: two
-processes each way, three probes after one session against the mean of two before it): the median
-host time of a small launch (``tensor.add_(1)``, 2000 back to back, 15 repeats) rose 21-37% without
-the variable and moved -5% to +12% with it; AdaAttention's host time per call (B=1 S=512 E=512
-bf16), 11-27% without and -6% to +18% with it (the host's speed drifts by that much). PyTorch's own
-issue: pytorch/pytorch#144455.
+profiler that is no longer running (pytorch/pytorch#144455; measured: docs/notebook.md).
 
 ``profiler_session`` sets ``TEARDOWN_CUPTI=1`` where the environment does not set it. A value set
 by the caller is kept (they may have a reason: torch.compile's CUDA graphs set "0"), with one

@@ -23,51 +23,72 @@ def _current_hashes(study: Any, params: Params, raw: dict, df: pd.DataFrame) -> 
     return hashes
 
 
-def render_study(study: Any, params: Params, raw: dict, results_root: Path, reports_root: Path) -> list[Section]:
+def _stale(df: pd.DataFrame, hashes: dict[str, str | None]) -> list[str]:
+    """The targets whose results were measured under other params than ``params.yaml``'s (``--set`` overrides, or
+    params changed since)."""
+    measured = df.drop_duplicates("target").set_index("target")["params_hash"]
+    return sorted(t for t, h in measured.items() if hashes.get(t) != h)
+
+
+def render_study(study: Any, params: Params, raw: dict, results_root: Path,
+                 reports_root: Path) -> tuple[list[Section], list[str]]:
+    """Write ``reports/<study>.md``; returns its sections and the targets whose results are stale."""
     df = read_study(results_root, study.name)
     if df.empty:
-        return []
+        return [], []
     out_dir = reports_root / study.name
     out_dir.mkdir(parents=True, exist_ok=True)
     sections = study.render(df, out_dir)
     ceilings = df[df["case_id"] == "machine"][["target", "hardware", "metric", "value", "unit"]]
+    judged = [s for s in sections if s.verdicts]
+    hashes = _current_hashes(study, params, raw, df)
     lines = [
         f"# Study `{study.name}` ({', '.join(study.table_ids)})\n",
-        "Rendered by `adaattn report` from `results/" + study.name + "/*.csv` only. Regenerate with `dvc repro`.\n",
+        "Rendered by `adaattn report` from `results/" + study.name + "/*.csv` only. Regenerate with `dvc repro`. "
+        "The verdicts first; the tables and figures behind them follow, then where the numbers come from.\n",
+    ]
+    if judged:  # the answer first
+        lines.append("## Verdicts\n")
+        for s in judged:
+            lines.append(f"### {s.table_id}: {s.title}\n\n" + _verdict_table(s.verdicts) + "\n")
+    for s in sections:
+        lines.append(f"## {s.table_id}: {s.title}\n\n{s.markdown}")
+    lines += [
         "## Where the numbers come from\n",
-        provenance_table(df, _current_hashes(study, params, raw, df)) + "\n",
+        provenance_table(df, hashes) + "\n",
         "Machine ceilings measured at the start of each run:\n",
         md_table(ceilings) + "\n",
     ]
-    for s in sections:
-        lines.append(f"## {s.table_id}: {s.title}\n\n{s.markdown}")
-        if s.verdicts:
-            lines.append(f"### Verdicts ({s.table_id})\n\n" + _verdict_table(s.verdicts) + "\n")
     (reports_root / f"{study.name}.md").write_text("\n".join(lines))
-    return sections
+    return sections, _stale(df, hashes)
 
 
 def _verdict_table(verdicts: list[Verdict]) -> str:
-    return md_table(pd.DataFrame([{
+    """The verdicts as a table, each reason a numbered note under it (the cells stay short enough to read)."""
+    table = md_table(pd.DataFrame([{
         "claim": v.claim, "guide": v.guide, "measured": v.measured, "hardware": v.hardware,
-        "verdict": v.verdict, "reason": v.reason,
-    } for v in verdicts]))
+        "verdict": v.verdict, "note": i if v.reason else "",
+    } for i, v in enumerate(verdicts, 1)]))
+    notes = [f"{i}. {v.reason}" for i, v in enumerate(verdicts, 1) if v.reason]
+    return table + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_root: Path,
                reports_root: Path) -> Path:
     reports_root.mkdir(parents=True, exist_ok=True)
     by_id: dict[str, tuple[str, Section]] = {}
+    stale: dict[str, list[str]] = {}
     for name, study in studies.items():
-        for section in render_study(study, params, raw, results_root, reports_root):
+        sections, stale[name] = render_study(study, params, raw, results_root, reports_root)
+        for section in sections:
             by_id[section.table_id] = (name, section)
     lines = [
         "# Reports: every guide table and claim, regenerated\n",
         "Each row is a table or claim id from `shared/guides/README.md`. *Guide* is the guide's own figure "
         "(from `src/adaattn/report/guide_figures.yaml`); *measured* is what `dvc repro` measured on the "
         "hardware named. Rendered from `results/` only.\n",
-        "| id | guide table | guide hardware | study | verdicts |",
-        "|---|---|---|---|---|",
+        "| id | guide table | guide hardware | study | verdicts | stale results |",
+        "|---|---|---|---|---|---|",
     ]
     details = []
     for table_id, guide in guide_figures().items():
@@ -80,7 +101,9 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
                            + (_verdict_table(section.verdicts) if section.verdicts else "") + "\n")
         else:
             summary, link = "not measured yet", "-"
-        lines.append(f"| {table_id} | {guide['title']} | {guide['hardware']} | {link} | {summary} |")
+        old = stale.get(by_id[table_id][0], []) if table_id in by_id else []
+        flag = f"STALE: {', '.join(old)} (other params than params.yaml)" if old else "-"
+        lines.append(f"| {table_id} | {guide['title']} | {guide['hardware']} | {link} | {summary} | {flag} |")
     (reports_root / "README.md").write_text("\n".join(lines) + "\n\n" + "\n".join(details))
     return reports_root / "README.md"
 

@@ -23,6 +23,8 @@ from adaattn.bench.results import read_results
 
 KEY_TAG = "adaattn.key"  # "<study>/<target>" on parent runs
 SHA_TAG = "adaattn.results_sha256"
+FORMAT_TAG = "adaattn.log_format"
+LOG_FORMAT = "2"  # what a run holds: a file logged in another format is logged again
 
 
 def tracking_uri(root: Path) -> str:
@@ -34,35 +36,63 @@ def _sha(path: Path) -> str:
 
 
 def _clean(value) -> str:
-    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+    """A cell as MLflow text: empty for a missing value, an integer without ".0" (a filter on
+    ``params.seq_len = '16384'`` finds it; the CSV reads integer columns with gaps back as floats)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _key(mode: str, name: str) -> str:
+    """``<mode>.<name>``, or ``name`` for a row without a mode (no "nan." keys)."""
+    return f"{mode}.{name}" if mode else name
+
+
+def _epoch_ms(measured_at: str) -> int:
+    """The run's measurement time as MLflow's metric timestamp (0 where the file has none)."""
+    stamp = pd.Timestamp(measured_at) if measured_at else None
+    if stamp is None or pd.isna(stamp):
+        return 0
+    return int((stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp).timestamp() * 1000)
 
 
 def _child_runs(df: pd.DataFrame, config_columns: list[str]):
-    """(run name, params, metrics, tags) per (case, provider)."""
+    """(run name, params, metrics, tags) per (case, provider), and per value of a config column that varies
+    within one (a per-head estimate, say): each distinct row is its own run's metric, none overwrites another."""
     runs = df[df["case_id"] != "machine"]
     for (case_id, provider), grp in runs.groupby(["case_id", "provider"], sort=False):
-        first = grp.iloc[0]
-        params = {c: _clean(first[c]) for c in config_columns if c in grp}
-        params.update(provider=provider, table_id=_clean(first["table_id"]))
-        metrics: dict[str, float] = {}
-        tags = {"table_id": _clean(first["table_id"]), "case_id": case_id}
-        for _, r in grp.iterrows():
-            key = f"{r['mode']}.{r['metric']}"
-            if r["status"] == "ok" and not pd.isna(r["value"]):
-                metrics[key] = float(r["value"])
-                if not pd.isna(r["p20"]):
-                    metrics[f"{key}_p20"] = float(r["p20"])
-                    metrics[f"{key}_p80"] = float(r["p80"])
-            tags[f"status.{r['mode']}"] = r["status"]
-            if _clean(r["reason"]):
-                tags[f"reason.{r['mode']}"] = _clean(r["reason"])[:5000]
-            if _clean(r["kernel"]):
-                tags[f"kernel.{r['mode']}"] = _clean(r["kernel"])
-        yield f"{provider} · {case_id}", params, metrics, tags
+        cols = [c for c in config_columns if c in grp]
+        varying = [c for c in cols if grp[c].nunique(dropna=False) > 1]
+        for values, sub in (grp.groupby(varying, sort=False, dropna=False) if varying else [((), grp)]):
+            first = sub.iloc[0]
+            params = {c: _clean(first[c]) for c in cols}
+            params.update(provider=provider, table_id=_clean(first["table_id"]))
+            metrics: dict[str, float] = {}
+            tags = {"table_id": _clean(first["table_id"]), "case_id": case_id}
+            for _, r in sub.iterrows():
+                mode = _clean(r["mode"])
+                key = _key(mode, r["metric"])
+                if r["status"] == "ok" and not pd.isna(r["value"]):
+                    metrics[key] = float(r["value"])
+                    if not pd.isna(r["p20"]):
+                        metrics[f"{key}_p20"] = float(r["p20"])
+                        metrics[f"{key}_p80"] = float(r["p80"])
+                tag = (lambda what: f"{what}.{mode}" if mode else what)  # noqa: E731 - status.fwd, or status
+                tags[tag("status")] = r["status"]
+                if _clean(r["reason"]):
+                    tags[tag("reason")] = _clean(r["reason"])[:5000]
+                if _clean(r["kernel"]):
+                    tags[tag("kernel")] = _clean(r["kernel"])
+            yield (f"{provider} · {case_id}" + "".join(f" · {c} {_clean(v)}" for c, v in zip(varying, values)),
+                   params, metrics, tags)
 
 
-def log_results_file(client, study: str, path: Path, config_columns: list[str], artifacts: list[Path]) -> str:
-    """Log one results file; returns 'unchanged' or 'logged'."""
+def log_results_file(client, study: str, path: Path, config_columns: list[str], artifacts: list[Path],
+                     report: Path | None = None) -> str:
+    """Log one results file (its figures in ``artifacts``, the study's ``report`` beside them); returns
+    'unchanged' or 'logged'."""
     from mlflow.entities import Metric, Param
 
     target = path.stem
@@ -72,7 +102,7 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
     exp_id = exp.experiment_id if exp else client.create_experiment(
         study, tags={"mlflow.experimentKind": "custom_model_development", "adaattn.study": study})
     existing = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{study}/{target}'")
-    if any(r.data.tags.get(SHA_TAG) == sha for r in existing):
+    if any(r.data.tags.get(SHA_TAG) == sha and r.data.tags.get(FORMAT_TAG) == LOG_FORMAT for r in existing):
         return "unchanged"
     for old in existing:  # a re-measured target replaces its runs, never duplicates them
         for child in client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{old.info.run_id}'"):
@@ -83,11 +113,11 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
     prov = {c: _clean(df[c].iloc[0]) for c in PROVENANCE_COLUMNS if c in df}
     machine = df[df["case_id"] == "machine"]
     parent = client.create_run(exp_id, run_name=f"{target} · {prov.get('hardware', '')}", tags={
-        KEY_TAG: f"{study}/{target}", SHA_TAG: sha, "study": study,
+        KEY_TAG: f"{study}/{target}", SHA_TAG: sha, FORMAT_TAG: LOG_FORMAT, "study": study,
         "table_ids": ",".join(sorted(df["table_id"].dropna().astype(str).unique())), **prov,
     })
     pid = parent.info.run_id
-    ts = 0
+    ts = _epoch_ms(prov.get("measured_at", ""))
     client.log_batch(pid, metrics=[Metric(f"machine.{r['metric']}", float(r["value"]), ts, 0)
                                    for _, r in machine.iterrows()],
                      params=[Param("target", target), Param("results_file", str(path))])
@@ -100,6 +130,8 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
         client.set_terminated(child.info.run_id)
     for art in artifacts:
         client.log_artifact(pid, str(art), artifact_path="figures")
+    if report is not None and report.is_file():
+        client.log_artifact(pid, str(report))
     client.set_terminated(pid)
     return "logged"
 
@@ -116,8 +148,10 @@ def sync(studies: dict, results_root: Path, reports_root: Path, root: Path, mani
     actions: dict[str, str] = {}
     for name, study in studies.items():
         for path in sorted((results_root / name).glob("*.csv")):
-            figures = sorted((reports_root / name).glob(f"*_{path.stem}_*.png"))
-            actions[f"{name}/{path.stem}"] = log_results_file(client, name, path, study.config_columns, figures)
+            # a figure names its target as one of its name's "_"-separated parts (g2_b_seq_h100, G1-T1_h100_bf16)
+            figures = sorted(f for f in (reports_root / name).glob("*.png") if path.stem in f.stem.split("_"))
+            actions[f"{name}/{path.stem}"] = log_results_file(client, name, path, study.config_columns, figures,
+                                                              reports_root / f"{name}.md")
             summary.setdefault(name, {})[path.stem] = _sha(path)
     store = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "mlflow.db"
     tmp = manifest.with_suffix(".tmp")
