@@ -1,7 +1,7 @@
 """Typed, validated view of ``params.yaml``.
 
-Every section is named after the guide table it regenerates (``G1-T2``...; see
-``shared/guides/README.md``) and maps to a frozen pydantic model with ``extra="forbid"``, so a
+Every section is named after the guide table it regenerates (``G1-T2``...; the project's index of them:
+``src/adaattn/report/guide_figures.yaml``) and maps to a frozen pydantic model with ``extra="forbid"``, so a
 wrong type, an unknown key, an unknown provider or a non-positive size stops the run with an
 error that names the key and the allowed values, before anything is measured.
 """

@@ -84,11 +84,12 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
             by_id[section.table_id] = (name, section)
     lines = [
         "# Reports: every guide table and claim, regenerated\n",
-        "Each row is a table or claim id from `shared/guides/README.md`. *Guide* is the guide's own figure "
-        "(from `src/adaattn/report/guide_figures.yaml`); *measured* is what `dvc repro` measured on the "
-        "hardware named. Rendered from `results/` only.\n",
-        "| id | guide table | guide hardware | study | verdicts | stale results |",
-        "|---|---|---|---|---|---|",
+        "Each row is a table or claim id of the performance guides, as the project's index lists them "
+        "(`src/adaattn/report/guide_figures.yaml`: the guide file, what it holds and the guide's own figures); "
+        "*verdicts* count what `dvc repro` measured on the hardware each study names. Rendered from `results/` "
+        "only.\n",
+        "| id | guide table | what it holds | guide hardware | study | verdicts | stale results |",
+        "|---|---|---|---|---|---|---|",
     ]
     details = []
     for table_id, guide in guide_figures().items():
@@ -103,7 +104,8 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
             summary, link = "not measured yet", "-"
         old = stale.get(by_id[table_id][0], []) if table_id in by_id else []
         flag = f"STALE: {', '.join(old)} (other params than params.yaml)" if old else "-"
-        lines.append(f"| {table_id} | {guide['title']} | {guide['hardware']} | {link} | {summary} | {flag} |")
+        lines.append(f"| {table_id} | {guide['title']} | {guide['holds']} | {guide['hardware']} | {link} | {summary} "
+                     f"| {flag} |")
     (reports_root / "README.md").write_text("\n".join(lines) + "\n\n" + "\n".join(details))
     return reports_root / "README.md"
 
