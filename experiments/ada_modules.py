@@ -169,12 +169,12 @@ class ModuleStudy:
     kernel_calls = 10
     host_calls = 20
     # the kernel-time goal's trace (``_kernel_goal_rows``): rounds of one call of each provider, the goal
-    # decided on the per-round ratios' median and its confidence interval; a kernel time of some 20 us is
-    # read to a few tenths of a microsecond (docs/notebook.md)
+    # decided on the per-round ratios' median and its confidence interval (the small kernels' resolution:
+    # docs/notebook.md)
     goal_kernel_calls = 30
     # time per call side by side (``side_by_side.py``), about this many ms of calls per shape and mode, within
     # these rounds: scaling's goal (adaattn and the direct backends, eager and compiled) and G2-T1 (the module
-    # providers, CPU only: a point's calls take 10-80 ms there, so it gets more time)
+    # providers, CPU only: its points' calls are long, so it gets more time)
     side_by_side_ms = {("G2-B", "cuda"): 3000.0, ("G2-B", "cpu"): 12000.0, ("G2-T1", "cpu"): 15000.0}
     side_by_side_rounds = {("G2-B", "cuda"): (40, 1000), ("G2-B", "cpu"): (20, 1000), ("G2-T1", "cpu"): (20, 200)}
     stack_ms, stack_rounds = 3000.0, (20, 200)  # the stack check's side-by-side rounds
@@ -362,8 +362,8 @@ class ModuleStudy:
     def _warm_process(self, case: Case) -> None:
         """The process's one-time costs (CUDA context, kernel loading, runtime-compiled kernels), paid before the
         first ``first_call_s`` row: a module with its own manager tunes the case's lengths at one batch more (another
-        signature: the case's own per-shape costs stay in its row). On the H100 a small shape (S=64) left 0.4 s of
-        them to the first larger one (docs/notebook.md, 2026-11-26)."""
+        signature: the case's own per-shape costs stay in its row). A small shape leaves some of them to the first
+        larger one (docs/notebook.md, 2026-11-26)."""
         c = case.config
         x = torch.randn(c["batch"] + 1, c["seq_len"], c["embed_dim"], device=self.device, dtype=DTYPES[c["dtype"]])
         warm = AdaAttention(c["embed_dim"], c["heads"], precision_mode=c["dtype"], rank_mode="full",

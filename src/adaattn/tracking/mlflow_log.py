@@ -50,6 +50,11 @@ def _key(mode: str, name: str) -> str:
     return f"{mode}.{name}" if mode else name
 
 
+def _tag(name: str, mode: str) -> str:
+    """``<name>.<mode>`` (``status.fwd``), or ``name`` for a row without a mode."""
+    return f"{name}.{mode}" if mode else name
+
+
 def _epoch_ms(measured_at: str) -> int:
     """The run's measurement time as MLflow's metric timestamp (0 where the file has none)."""
     stamp = pd.Timestamp(measured_at) if measured_at else None
@@ -79,12 +84,11 @@ def _child_runs(df: pd.DataFrame, config_columns: list[str]):
                     if not pd.isna(r["p20"]):
                         metrics[f"{key}_p20"] = float(r["p20"])
                         metrics[f"{key}_p80"] = float(r["p80"])
-                tag = (lambda what: f"{what}.{mode}" if mode else what)  # noqa: E731 - status.fwd, or status
-                tags[tag("status")] = r["status"]
+                tags[_tag("status", mode)] = r["status"]
                 if _clean(r["reason"]):
-                    tags[tag("reason")] = _clean(r["reason"])[:5000]
+                    tags[_tag("reason", mode)] = _clean(r["reason"])[:5000]
                 if _clean(r["kernel"]):
-                    tags[tag("kernel")] = _clean(r["kernel"])
+                    tags[_tag("kernel", mode)] = _clean(r["kernel"])
             yield (f"{provider} · {case_id}" + "".join(f" · {c} {_clean(v)}" for c, v in zip(varying, values)),
                    params, metrics, tags)
 
