@@ -478,9 +478,9 @@ class ModuleStudy:
             stack = nn.Sequential(*(Block(attn(), st.embed_dim, st.mlp_ratio) for _ in range(st.layers)))
             stack = stack.to(self.device, dtype)
             x = torch.randn(st.batch, st.seq_len, st.embed_dim, device=self.device, dtype=dtype, requires_grad=True)
-            if kind == "adaattn":
-                stack[0].attn.tune(x.detach(), grad=True)  # one signature for every block: one ranking
-            for block in stack:
+            for block in stack:  # each block's signature decided first, as a user tunes before compiling
+                if kind == "adaattn":
+                    block.attn.tune(x.detach(), grad=True)  # one signature for every block: one ranking, shared
                 block.compile()
             return Workload(fwd=lambda: stack(x), inputs=[x, *stack.parameters()])
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import adaattn.attention.kernel_manager as km_mod
+import adaattn.bench.rounds as rounds_mod
 from adaattn.attention.ada import AdaAttention
-from adaattn.attention.backends import BACKENDS, FORCED, sdpa_path, traced_run
+from adaattn.attention.backends import BACKENDS, FORCED, traced_name
 from adaattn.attention.kernel_manager import DEFAULT, AttentionKernelManager
 from adaattn.attention.tune import Shape, cache_path, tune_shapes
 
@@ -65,26 +66,26 @@ def test_a_new_shape_recompiles_per_signature_without_an_error():
 
 def test_a_compiled_module_runs_the_tuned_backend_and_the_default_without_one(monkeypatch):
     """Tuned: the graph holds the manager's first backend (a spy backend records what was traced) and nothing
-    is untuned. Not tuned: the hardware's defaults, listed per policy in ``get_statistics()["untuned"]``."""
-    traced = []
+    is untuned. Not tuned: the hardware's defaults (SDPA's own call), listed per policy in
+    ``get_statistics()["untuned"]``."""
+    traced, graphs = [], []
 
-    def spy(name):
-        run = BACKENDS[name].run
+    def spy(*a):
+        traced.append("math")
+        return run(*a)
 
-        def call(*a):
-            traced.append(name)
-            return run(*a)
+    def keep(gm, _):
+        graphs.append(gm.code)
+        return gm
 
-        return call
-
-    for name in ("math", DEFAULT):
-        monkeypatch.setitem(BACKENDS, name, BACKENDS[name].__class__(name, spy(name), BACKENDS[name].why_not))
+    run = BACKENDS["math"].run
+    monkeypatch.setitem(BACKENDS, "math", BACKENDS["math"].__class__("math", spy, BACKENDS["math"].why_not))
     x = torch.randn(2, 16, E)
     ada = AdaAttention(E, H, rank_mode="auto", kernel_manager=AttentionKernelManager(backends=["math", DEFAULT]))
-    compiled = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend="eager", fullgraph=True)
+    compiled = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend=keep, fullgraph=True)
     with torch.no_grad():
         compiled(x)
-    assert traced[-1] == DEFAULT
+    assert DEFAULT == "sdpa" and traced == [] and "scaled_dot_product_attention" in graphs[-1]
     untuned = ada.get_statistics()["untuned"]
     # precision too where the hardware's default is a reduced dtype its guards never checked (not a CPU's fp32)
     assert sorted(u.rsplit(": ", 1)[1] for u in untuned) == ["backend", "rank"], untuned
@@ -96,6 +97,7 @@ def test_a_compiled_module_runs_the_tuned_backend_and_the_default_without_one(mo
     with torch.no_grad():
         out = compiled(x)  # the signature's plan is new: dynamo's guard on it retraces
     assert traced == ["math"] and ada.get_statistics()["untuned"] == [], traced
+    assert "scaled_dot_product_attention" not in graphs[-1]
     torch.testing.assert_close(out, ada(x, x, x, need_weights=False)[0], atol=1e-5, rtol=1e-5)
 
 
@@ -121,20 +123,29 @@ def test_an_undecided_signature_traces_its_default_plan_once():
 
 
 def test_a_forced_sdpa_backend_that_sdpa_picks_anyway_is_traced_as_sdpas_own_call():
-    """The same kernel without ``sdpa_kernel`` around it (flags and guards on every compiled call); a forced backend
-    SDPA would not pick stays forced."""
+    """The same kernel without ``sdpa_kernel`` around it (flags and guards on every compiled call), in a tuned plan
+    and in an untuned module's default plan; a forced backend SDPA would not pick stays forced."""
     q = torch.randn(1, 4, 8, 16)
-    as_sdpa = [n for n in FORCED if traced_run(n, q, q, q, None, False, None) is sdpa_path]
-    assert as_sdpa == ["sdpa_flash"]  # SDPA's CPU kernel for fp32 without a mask
-    assert traced_run("sdpa_math", q, q, q, None, False, None) is BACKENDS["sdpa_math"].run
-    assert traced_run("math", q, q, q, None, True, None) is BACKENDS["math"].run
-    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=AttentionKernelManager(backends=["sdpa_flash"]))
+    assert [n for n in FORCED if traced_name(n, q, q, None, False, None) == "sdpa"] == ["sdpa_flash"]  # CPU, fp32
+    assert traced_name("sdpa_math", q, q, None, False, None) == "sdpa_math"
+    assert traced_name("math", q, q, None, True, None) == "math"
+    manager = AttentionKernelManager(backends=["sdpa_flash"])
+    tuned, untuned = (AdaAttention(E, H, rank_mode="full", kernel_manager=manager) for _ in range(2))
     x = torch.randn(2, 16, E)
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm.code)
+        return gm
+
     with torch.no_grad():
-        (d,) = ada.tune(x, grad=False).values()
-        out = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend="eager", fullgraph=True)(x)
-    assert d["backends"] == ["sdpa_flash"] and [plan[2] for plan in ada._plans.values()] == [sdpa_path]
-    torch.testing.assert_close(out, ada(x, x, x, need_weights=False)[0])
+        (d,) = tuned.tune(x, grad=False).values()
+        for ada in (tuned, untuned):  # the untuned one reads the shared manager's ranking
+            out = torch.compile(lambda x, ada=ada: ada(x, x, x, need_weights=False)[0], backend=keep, fullgraph=True)(x)
+            torch.testing.assert_close(out, ada(x, x, x, need_weights=False)[0])
+    assert d["backends"] == ["sdpa_flash"] and [plan[2] for plan in tuned._plans.values()] == [None]  # SDPA's own
+    assert len(graphs) == 2 and not any("sdpa_kernel" in g for g in graphs)
+    assert "scaled_dot_product_attention" in graphs[1]
 
 
 def test_tune_decides_both_grad_modes_and_rejects_bad_arguments():
@@ -202,7 +213,7 @@ def test_a_measured_signature_costs_a_few_rounds_not_seconds(monkeypatch):
     """The first call of a new signature ranks only the candidates within CONTENDER of the fastest warm-up, in
     at most ROUNDS[1] rounds of GPU-time turns: counted here in calls, not timed."""
     calls = []
-    monkeypatch.setattr(km_mod, "interleaved_samples_ms",
+    monkeypatch.setattr(rounds_mod, "interleaved_samples_ms",
                         lambda c, device, rounds, seed=0, turn="call": calls.append((len(c), rounds)) or [[1.0]] * len(c))
     km = AttentionKernelManager()
     q = torch.randn(1, 4, 64, 8)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import adaattn.attention.kernel_manager as km_mod
+import adaattn.bench.rounds as rounds_mod
 from adaattn.attention.backends import BACKENDS, SDP_FLAGS, Signature
 from adaattn.attention.kernel_manager import DEFAULT, IN_THE_RUNNING, AttentionKernelManager
 from adaattn.attention.ranking_cache import METHOD
@@ -39,7 +40,7 @@ def _fixed_rounds(monkeypatch, ms: dict[str, float], seen: list | None = None):
         return [[ms[name]] * n for name in names[:len(calls)]]
 
     ms_order = list(ms)
-    monkeypatch.setattr(km_mod, "interleaved_samples_ms", rounds)
+    monkeypatch.setattr(rounds_mod, "interleaved_samples_ms", rounds)
 
 
 def test_manager_measures_once_persists_and_reloads(tmp_path, monkeypatch):
@@ -79,7 +80,7 @@ def test_ranking_is_by_the_median_gpu_time_turn_of_the_contenders(monkeypatch):
     warm = {"math": 1.0, "sdpa": 1.0, "chunked": 1.0, "sdpa_math": 50.0}
     name_of = {BACKENDS[n].run: n for n in warm}
     monkeypatch.setattr(km_mod, "workload", lambda run, *a: name_of[run])  # a "call" is its backend's name
-    monkeypatch.setattr(km_mod, "warm_ms", lambda call, device, calls=2: warm[call])
+    monkeypatch.setattr(rounds_mod, "warm_ms", lambda call, device, calls=2: warm[call])
     km = AttentionKernelManager(backends=["math", "sdpa", "chunked", "sdpa_math"])
     q, k, v = _qkv()
     sig = Signature.of(q, k, "none")

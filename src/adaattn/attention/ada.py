@@ -17,18 +17,16 @@ as matmul, softmax, matmul, as MHA's does.
 from __future__ import annotations
 
 import math
-import operator
 import os
 from collections import Counter
-from collections.abc import Sequence
+from operator import index
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.args import check_heads, check_policy
-from adaattn.attention.backends import (BACKENDS, Signature, attention_probs, sdpa_path, signature_key, traced_run,
-                                        workload)
+from adaattn.attention.backends import BACKENDS, Signature, attention_probs, sdpa_path, traced_name, workload
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.masks import merge_masks
@@ -51,6 +49,12 @@ def shared_kernel_manager() -> AttentionKernelManager:
     if _shared is None:
         _shared = AttentionKernelManager(cache_path=os.environ.get(ENV_CACHE) or None)
     return _shared
+
+
+def _run(backend: str | None):
+    """A plan's exact path: None for SDPA's own call (a function in a plan costs a compiled call guards on its code
+    and defaults), else the backend's run."""
+    return None if backend in (None, "sdpa") else BACKENDS[backend].run
 
 
 class AdaAttention(nn.Module):
@@ -96,10 +100,11 @@ class AdaAttention(nn.Module):
         self._precisions: Counter[torch.dtype] = Counter()  # eager calls per compute dtype
         self._low_rank_skipped: Counter[str] = Counter()
         self._untuned: set[str] = set()  # signatures traced without a precision or rank decision
-        self._exact_sig: dict[str, str] = {}  # signature -> the manager's (the compute dtype's), eager calls
-        # signature -> (compute dtype, low-rank path or None, the exact path's traceable backend or None): what the
-        # eager call decided, all a compiled call reads
-        self._plans: dict[str, tuple] = {}
+        # signature -> (compute dtype, low-rank path or None, the manager's signature or None): eager decisions
+        self._decided: dict[str, tuple] = {}
+        # (device, dtype, q shape, k shape, mask kind, grad) -> (compute dtype, low-rank path or None, the exact path's
+        # run, None for SDPA's own): all a compiled call reads (a key of constants: no function call to guard)
+        self._plans: dict[tuple, tuple] = {}
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:  # as nn.MultiheadAttention
@@ -113,7 +118,7 @@ class AdaAttention(nn.Module):
     def __setattr__(self, name: str, value) -> None:
         if name in POLICY_ATTRS and "_rank_choice" in self.__dict__:
             self.__dict__["_rank_choice"] = {}  # made under the old value (a compiled call retraces)
-            self.__dict__["_plans"] = {}
+            self.__dict__["_plans"], self.__dict__["_decided"] = {}, {}
         super().__setattr__(name, value)
 
     @property
@@ -144,8 +149,9 @@ class AdaAttention(nn.Module):
         S = key.shape[1]
         # packed weights: kdim == vdim == embed_dim (one attribute read fewer each: dynamo guards every read)
         kdim, vdim = (self.embed_dim,) * 2 if self._packed else (self.kdim, self.vdim)
+        # size by size: dynamo (torch 2.11) traces a tuple comparison through polyfills it guards on every call
         if E != self.embed_dim or key.shape[2] != kdim or value.shape[2] != vdim or key.shape[0] != B \
-                or value.shape[:2] != (B, S):
+                or value.shape[0] != B or value.shape[1] != S:
             raise ValueError(f"expected query (B, L, {self.embed_dim}), key (B, S, {kdim}), value (B, S, {vdim}); "
                              f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
         q, k, v = self._project(query, key, value)
@@ -192,15 +198,13 @@ class AdaAttention(nn.Module):
         else the defaults (``_default_plan``)."""
         in_dtype, mask_kind = q.dtype, "causal" if causal else "none" if mask is None else "mask"
         if _compiling():
-            grad = q.requires_grad or k.requires_grad  # the projections' outputs: False under no_grad
-            # operator.index: a size dynamo made dynamic is specialised here (a signature is per shape)
-            q_shape, k_shape = [operator.index(n) for n in q.shape], [operator.index(n) for n in k.shape]
-            sig = signature_key(q.device.type, q.device.index, q.dtype, q_shape, k_shape, mask_kind, grad)
-            plan = self._plans.get(sig)
+            # index: a size dynamo made dynamic is specialised here (a plan is per shape)
+            key = (q.device, q.dtype, *[index(n) for n in q.shape], *[index(n) for n in k.shape], mask_kind,
+                   q.requires_grad or k.requires_grad)  # the projections' outputs: False under no_grad
+            plan = self._plans.get(key)
             if plan is None:
-                name, low, backend = self._default_plan(sig, (q.device.type, q.device.index), q.dtype, q_shape,
-                                                        k_shape, mask_kind, grad)
-                plan = getattr(torch, name), low and LowRank(*low), backend and BACKENDS[backend].run
+                name, low, backend = self._default_plan(key)
+                plan = getattr(torch, name), low and LowRank(*low), _run(backend)
             dtype, rank, run = plan
             if q.dtype != dtype:
                 q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -209,8 +213,11 @@ class AdaAttention(nn.Module):
             elif run is not None and not (self.dropout and self.training):  # the manager's backends take no dropout
                 out = run(q, k, v, mask, causal, scale)
             else:
-                out = sdpa_path(q, k, v, mask, causal, scale, self.dropout if self.training else 0.0)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                     dropout_p=self.dropout if self.dropout and self.training else 0.0,
+                                                     enable_gqa=q.shape[1] != k.shape[1])  # sdpa_path, inline
             return out if out.dtype == in_dtype else out.to(in_dtype)
+        key = (q.device, q.dtype, *q.shape, *k.shape, mask_kind, q.requires_grad or k.requires_grad)
         signature = Signature.of(q, k, mask_kind)
         sig = signature.key()
         dtype = q.dtype  # without the optimisation, the inputs'; else the precision policy's (its guards read them)
@@ -223,29 +230,31 @@ class AdaAttention(nn.Module):
         rank = self._rank(sig, q, k, v, mask_kind, scale)
         self._precisions[dtype] += 1
         self._ranks["full" if rank is None else f"low-rank {rank}"] += 1
-        run = None
+        run = exact = None
         if rank is not None:
             out = low_rank_attention(q, k, v, rank, scale=scale)
         elif self._through_manager():
-            self._exact_sig[sig] = signature.key()
+            exact = signature.key()
             out, name = self.manager(q, k, v, mask, causal, scale, sig=signature)
             traced = name if BACKENDS[name].traceable else self.manager.traced_backend(signature)
-            run = traced_run(traced, q, k, v, mask, causal, scale)
+            run = _run(traced_name(traced, q, k, mask, causal, scale))
         else:
             out = sdpa_path(q, k, v, mask, causal, scale, self.dropout if self.training else 0.0)
-        self._plans[sig] = (dtype, rank, run)
+        self._plans[key], self._decided[sig] = (dtype, rank, run), (dtype, rank, exact)
         return out if out.dtype == in_dtype else out.to(in_dtype)  # the output projection's dtype
 
     @torch.compiler.assume_constant_result  # made while tracing, a constant of the graph: no guard on the state read
-    def _default_plan(self, sig: str, device: tuple[str, int | None], dtype: torch.dtype, q_shape: Sequence[int],
-                      k_shape: Sequence[int], mask_kind: str, grad: bool) -> tuple[str, tuple | None, str | None]:
-        """A compiled call's plan for a signature no eager call decided, by name: the last decisions the policies
-        made for it, else the hardware's defaults; each policy without a decision is listed in ``_untuned``."""
+    def _default_plan(self, key: tuple) -> tuple[str, tuple | None, str | None]:
+        """A compiled call's plan for a ``_plans`` key no eager call decided, by name: the last decisions the policies
+        made for its signature, else the hardware's defaults; each policy without a decision is listed in
+        ``_untuned``."""
+        device, dtype, q_shape, k_shape, mask_kind, grad = key[0], key[1], key[2:6], key[6:10], key[10], key[11]
+        sig = Signature.make(device.type, device.index, dtype, q_shape, k_shape, mask_kind, grad).key()
         decided = self.precision.decided(sig)
         if decided is not None:
             dtype = decided
         elif self.enable_gpu_optimization or self.precision.mode != "auto":
-            dtype = traced_dtype(self.precision.mode, *device)
+            dtype = traced_dtype(self.precision.mode, device.type, device.index)
             if self.precision.mode == "auto" and dtype != torch.float32 and self.enable_gpu_optimization:
                 self._untuned.add(f"{sig}: precision")  # a reduced dtype its guards never checked
         decided, rank = self._rank_without_data(sig, mask_kind)
@@ -253,8 +262,13 @@ class AdaAttention(nn.Module):
             self._untuned.add(f"{sig}: rank")
         if not self.enable_gpu_optimization:
             return str(dtype).removeprefix("torch."), rank and tuple(rank), None
-        exact = Signature.make(*device, dtype, q_shape, k_shape, mask_kind, grad)
-        return str(dtype).removeprefix("torch."), rank and tuple(rank), self.manager.traced_backend(exact)
+        backend = self.manager.traced_backend(Signature.make(device.type, device.index, dtype, q_shape, k_shape,
+                                                             mask_kind, grad))
+        if mask_kind != "mask":  # SDPA's choice, asked on empty inputs in the projections' layout (a mask: no shape)
+            q, k = (torch.empty(b, n, h, d, dtype=dtype, device=device).transpose(1, 2)
+                    for b, h, n, d in (q_shape, k_shape))
+            backend = traced_name(backend, q, k, None, mask_kind == "causal", q_shape[3] ** -0.5)
+        return str(dtype).removeprefix("torch."), rank and tuple(rank), backend
 
     def _with_weights(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float,
                       average: bool) -> tuple[Tensor, Tensor]:
@@ -343,10 +357,10 @@ class AdaAttention(nn.Module):
         """Per signature an eager call decided: the compute dtype, the path (exact or low-rank) and, where the
         manager ranked the exact path, its backends fastest first."""
         out: dict[str, dict] = {}
-        for sig, (dtype, rank, _) in self._plans.items():
+        for sig, (dtype, rank, exact) in self._decided.items():
             out[sig] = {"dtype": str(dtype).removeprefix("torch."), "path": "exact" if rank is None else str(rank)}
-            if sig in self._exact_sig:
-                out[sig]["backends"] = self.manager.rankings.get(self._exact_sig[sig])
+            if exact is not None and exact in self.manager.rankings:
+                out[sig]["backends"] = self.manager.rankings[exact]
         return out
 
     def get_statistics(self) -> dict:

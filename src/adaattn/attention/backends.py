@@ -62,13 +62,6 @@ class Signature:
                          _bucket(L), _bucket(S), mask, grad, L == S)
 
 
-@torch.compiler.assume_constant_result  # a constant of the compiled graph: no guard on how it was made
-def signature_key(device_type: str, index: int | None, dtype: torch.dtype, q_shape: Sequence[int],
-                  k_shape: Sequence[int], mask: str, grad: bool) -> str:
-    """``Signature.make(...).key()``, for a compiled call."""
-    return Signature.make(device_type, index, dtype, q_shape, k_shape, mask, grad).key()
-
-
 @torch.compiler.assume_constant_result  # a constant of the compiled graph: read once, never traced
 def device_name(device_type: str, index: int | None) -> str:
     """The name of the device a signature's ranking was measured on."""
@@ -137,20 +130,20 @@ def _sdpa_forced(backend: str) -> Run:
 _compiling = torch.compiler.is_compiling
 
 
-def traced_run(name: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
-               scale: float | None) -> Run:
-    """What a compiled call emits for backend ``name`` on inputs like these: a forced SDPA backend whose kernel
-    SDPA's own dispatch picks anyway is SDPA's own call, the same kernel without ``sdpa_kernel`` (which dynamo
-    keeps as flags and guards around the graph: host time on every compiled call, docs/notebook.md)."""
+def traced_name(name: str, q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                scale: float | None) -> str:
+    """The backend a compiled call emits for ``name`` on inputs like these: ``sdpa`` for a forced SDPA backend whose
+    kernel SDPA's own dispatch picks anyway (the same kernel without ``sdpa_kernel``, which dynamo keeps as flags and
+    guards around the graph: host time on every compiled call, docs/notebook.md), else ``name``."""
     forced = FORCED.get(name)
     if forced is not None:
         from torch.nn.attention import SDPBackend
 
-        picked = torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=scale,
+        picked = torch._fused_sdp_choice(q, k, k, attn_mask, 0.0, is_causal, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
         if picked == int(getattr(SDPBackend, forced)):
-            return sdpa_path
-    return BACKENDS[name].run
+            return "sdpa"
+    return name
 
 
 def attention_probs(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool,

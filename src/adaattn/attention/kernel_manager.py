@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from torch import Tensor
 
 from adaattn.attention.backends import BACKENDS, FLASH_LIKE, Signature, workload
 from adaattn.attention.ranking_cache import RankingCache
-from adaattn.bench.rounds import GPU_CALLS, interleaved_samples_ms, warm_ms
+from adaattn.bench.rounds import ranked_ms
 
 log = logging.getLogger(__name__)
 
@@ -103,27 +102,13 @@ class AttentionKernelManager:
         t0 = time.perf_counter()
         calls = {n: workload(BACKENDS[n].run, q, k, v, attn_mask, is_causal, scale, sig.grad)
                  for n, why in self.candidates(sig) if why is None}
-        device = q.device.type
-        est: dict[str, float] = {}
-        for name, call in calls.items():
-            try:
-                est[name] = warm_ms(call, device, calls=2)  # the first call pays the backend's setup
-            except Exception as err:  # noqa: BLE001 - a backend that fails is not a candidate
-                self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
-        if not est:
+        ms, failed = ranked_ms(calls, q.device.type, ROUNDS, self.budget_ms, CONTENDER)
+        for name, why in failed.items():
+            self._note_fallback(name, f"rejected while measuring: {why}")
+        if not ms:
             raise RuntimeError(f"no attention backend can run {sig}: " + "; ".join(
                 f"{n}: {w}" for n, w in self.candidates(sig) if w) + f"; fallbacks: {dict(self.fallbacks)}")
-        fastest = min(est.values())
-        # on a CPU the warm-up's time is what is ranked, and a backend far behind takes no rounds; on a GPU it holds
-        # the host's time too, which a ranking by GPU time must not prune by: every candidate takes the rounds
-        names = [n for n in est if device == "cuda" or est[n] <= CONTENDER * fastest]
-        ms = dict(est)
-        if len(names) > 1:
-            per_round = sum(est[n] for n in names) * (GPU_CALLS if device == "cuda" else 1)
-            rounds = max(ROUNDS[0], min(ROUNDS[1], int(self.budget_ms / per_round)))
-            samples = interleaved_samples_ms([calls[n] for n in names], device, rounds, turn="gpu")
-            ms.update({n: statistics.median(s) for n, s in zip(names, samples, strict=True)})
-        ranked = sorted(names, key=ms.get) + sorted((n for n in est if n not in names), key=ms.get)
+        ranked = list(ms)
         key = sig.key()
         self.rankings[key], self.times_ms[key] = ranked, ms
         self.stale.pop(key, None)
@@ -146,17 +131,10 @@ class AttentionKernelManager:
     def time_ops(self, calls: dict[str, Callable[[], object]], device: torch.device) -> dict[str, float]:
         """Alternatives that are not backends (the rank policy's low-rank path against the exact one), timed as
         rankings are: median GPU-time turn (ms) of each; a call that fails is left out, its reason noted."""
-        ok = {}
-        for name, call in calls.items():
-            try:
-                warm_ms(call, device.type, calls=2)
-                ok[name] = call
-            except Exception as err:  # noqa: BLE001
-                self._note_fallback(name, f"rejected while measuring: {_reason(err)}")
-        if not ok:
-            return {}
-        samples = interleaved_samples_ms(list(ok.values()), device.type, ROUNDS[0], turn="gpu")
-        return {n: statistics.median(s) for n, s in zip(ok, samples, strict=True)}
+        ms, failed = ranked_ms(calls, device.type, (ROUNDS[0],) * 2, self.budget_ms)
+        for name, why in failed.items():
+            self._note_fallback(name, f"rejected while measuring: {why}")
+        return ms
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
                  scale: float | None = None, sig: Signature | None = None) -> tuple[Tensor, str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -195,6 +196,30 @@ def interleaved_samples_ms(calls: Sequence[Callable[[], object]], device: str, r
     for i, (s, e) in zip(turns, events, strict=True):
         samples[i].append(s.elapsed_time(e) / (BURST - 1))
     return samples
+
+
+def ranked_ms(calls: Mapping[str, Callable[[], object]], device: str, rounds: tuple[int, int], budget_ms: float,
+              contender: float = math.inf) -> tuple[dict[str, float], dict[str, str]]:
+    """Alternatives ranked by the median of their GPU-time turns (ms), fastest first: each warmed up (one that
+    raises is left out, its reason returned), then shuffled rounds, at least and at most ``rounds``, within
+    about ``budget_ms`` of calls. On a CPU a call whose warm-up took more than ``contender`` times the fastest's
+    takes no rounds and ranks last by its warm-up time; on a GPU the warm-up holds host time, which a ranking by
+    GPU time must not prune by. Returns (ms per call in rank order, reasons of the calls that failed)."""
+    est, failed = {}, {}
+    for name, call in calls.items():
+        try:
+            est[name] = warm_ms(call, device, calls=2)  # the first call pays the call's setup
+        except Exception as err:  # noqa: BLE001 - a call that fails is not a contender
+            failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    names = [n for n in est if device == "cuda" or est[n] <= contender * min(est.values())]
+    ms = dict(est)
+    if len(names) > 1:
+        per_round = sum(est[n] for n in names) * (GPU_CALLS if device == "cuda" else 1)
+        n_rounds = max(rounds[0], min(rounds[1], int(budget_ms / per_round)))
+        samples = interleaved_samples_ms([calls[n] for n in names], device, n_rounds, turn="gpu")
+        ms.update({n: statistics.median(s) for n, s in zip(names, samples, strict=True)})
+    order = sorted(names, key=ms.get) + sorted((n for n in est if n not in names), key=ms.get)
+    return {n: ms[n] for n in order}, failed
 
 
 def round_ratios(test: Sequence[float], other: Sequence[float]) -> list[float]:
