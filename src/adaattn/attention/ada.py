@@ -16,7 +16,6 @@ as matmul, softmax, matmul, as MHA's does.
 
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter
 from operator import index
@@ -26,12 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.args import check_heads, check_policy
-from adaattn.attention.backends import BACKENDS, Signature, attention_probs, sdpa_path, traced_name, workload
+from adaattn.attention.backends import BACKENDS, Signature, attention_probs, sdpa_path, traced_name
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.masks import merge_masks
 from adaattn.attention.precision import PrecisionPolicy, traced_dtype
-from adaattn.attention.rank import LOW_RANK_METHODS, LowRank, Speed, choose_rank, low_rank_attention, skip_reason
+from adaattn.attention.rank import (LOW_RANK_METHODS, LowRank, choose_rank, low_rank_attention, low_rank_speed,
+                                    skip_reason)
 from adaattn.layers.attention import _expand_kv
 
 ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file of the shared manager's rankings (``adaattn tune`` fills it)
@@ -304,7 +304,8 @@ class AdaAttention(nn.Module):
         methods = LOW_RANK_METHODS if self.low_rank_method == "auto" else (self.low_rank_method,)
         r, seen = choose_rank(q, k, v, sample=self.rank_sample_rows, min_len=self.min_low_rank_len,
                               max_rel_error=self.max_rank_error, methods=methods, scale=scale,
-                              speed=lambda choice: self._low_rank_speed(q, k, v, scale, choice))
+                              speed=lambda choice: low_rank_speed(self.manager, self._through_manager(), q, k, v,
+                                                                  scale, choice))
         if seen["estimate"] is not None:
             self._ranks[f"estimated {seen['estimate']}"] += 1
         why = skip_reason(r, seen, self.max_rank_error)
@@ -312,23 +313,6 @@ class AdaAttention(nn.Module):
             self._low_rank_skipped[why] += 1
         self._rank_choice[sig] = r
         return r
-
-    def _low_rank_speed(self, q: Tensor, k: Tensor, v: Tensor, scale: float, choice: LowRank) -> Speed:
-        """The rank policy's check: the low-rank path against the exact path's backend (the manager's first,
-        ranked here if it has not been; SDPA without the manager), timed side by side as rankings are."""
-        manager = self.manager
-        if self._through_manager():
-            sig = Signature.of(q, k, "none")
-            ranked = manager.ranking(sig) or manager.measure(sig, q, k, v, None, False, scale)
-            exact, run = ranked[0], BACKENDS[ranked[0]].run
-        else:
-            exact, run = "sdpa", sdpa_path
-        grad = torch.is_grad_enabled() and q.requires_grad
-        times = manager.time_ops({
-            "low-rank": workload(lambda *a: low_rank_attention(*a[:3], choice, scale=a[5]), q, k, v, None, False,
-                                 scale, grad),
-            exact: workload(run, q, k, v, None, False, scale, grad)}, q.device)
-        return Speed(times.get("low-rank", math.inf), times.get(exact, math.inf), exact)
 
     # ------------------------------------------------------------------ tuning and statistics
 

@@ -35,7 +35,7 @@ sample and at most S/16), 2 r_est landmarks are tried on the sampled query rows 
 path in turn, the cheaper first (``LOW_RANK_METHODS``: pooled, then Nyström), and the first whose
 relative L2 error against exact attention of those rows is within ``max_rel_error`` is taken where it
 is faster than the exact path (``speed``: AdaAttention times the path against the exact path's backend,
-side by side, as its kernel manager times backends: ``AttentionKernelManager.time_ops``); otherwise the
+side by side, as its kernel manager times backends: ``low_rank_speed``); otherwise the
 exact path runs. Why: the path pays its error for speed, and at short sequences it is slower (two or
 four Triton launches against one fused kernel: the rank study's policy rows).
 Segment-mean landmarks summarise contiguous tokens: a matrix of low rank whose structure is not
@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from adaattn.attention.backends import BACKENDS, Signature, sdpa_path, workload
 from adaattn.kernels.runtime import get_kernel_status, needs_grad, use_triton
 
 
@@ -244,6 +245,25 @@ class Speed(NamedTuple):
     low_rank_ms: float  # inf: the low-rank path failed where it was timed
     exact_ms: float
     exact: str  # what the exact path runs (a kernel manager's backend)
+
+
+def low_rank_speed(manager, through_manager: bool, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                   choice: LowRank) -> Speed:
+    """AdaAttention's ``speed`` check: the low-rank path against the exact path's backend (``manager``'s first,
+    ranked here if it has not been; SDPA where the module does not go through the manager), timed side by side
+    as the manager times backends (``time_ops``: GPU-time turns)."""
+    if through_manager:
+        sig = Signature.of(q, k, "none")
+        ranked = manager.ranking(sig) or manager.measure(sig, q, k, v, None, False, scale)
+        exact, run = ranked[0], BACKENDS[ranked[0]].run
+    else:
+        exact, run = "sdpa", sdpa_path
+    grad = torch.is_grad_enabled() and q.requires_grad
+    times = manager.time_ops({
+        "low-rank": workload(lambda *a: low_rank_attention(*a[:3], choice, scale=a[5]), q, k, v, None, False,
+                             scale, grad),
+        exact: workload(run, q, k, v, None, False, scale, grad)}, q.device)
+    return Speed(times.get("low-rank", math.inf), times.get(exact, math.inf), exact)
 
 
 def skip_reason(choice: LowRank | None, seen: dict, max_rel_error: float | None) -> str | None:
