@@ -13,7 +13,8 @@ import seaborn as sns
 
 from adaattn.attention.providers import BASELINE
 from adaattn.report.common import (
-    PROVIDER_COLORS, PROVIDER_ORDER, Section, Verdict, fmt, guide_figures, md_table, save_figure,
+    PROVIDER_COLORS, PROVIDER_ORDER, Section, Verdict, fmt, guide_figures, interval_text, judge, md_table,
+    median_interval, save_figure,
 )
 
 # Guide names -> our providers, first that ran wins (the guide's "XFormers" is
@@ -133,9 +134,8 @@ def _g1_t1_verdicts(fwd: pd.DataFrame, base_ms: float, label: str) -> list[Verdi
                                reasons or "no provider ran"))
             continue
         speed = base_ms / row["value"]
-        holds = lo * (1 - RATIO_TOLERANCE) <= speed <= hi * (1 + RATIO_TOLERANCE)
         out.append(Verdict("G1-T1", f"{gname} speed vs SDPA ({row['provider']})", f"{lo}-{hi}x", f"{speed:.2f}x",
-                           label, "holds" if holds else "does not hold",
+                           label, judge((speed, speed), (lo, hi), tolerance=RATIO_TOLERANCE),
                            f"band widened by {RATIO_TOLERANCE:.0%} for timing spread"))
     return out
 
@@ -155,9 +155,8 @@ def _g1_t2_verdicts(target: str, hw: str, dtype: str, fwd: pd.DataFrame, mem: pd
         ms = row["value"]
         speed = f"ours is {gms / ms:.1f}x faster" if ms < gms else f"ours is {ms / gms:.1f}x slower"
         if _on_guide_hardware(hw):
-            holds = abs(ms / gms - 1) <= RATIO_TOLERANCE
             out.append(Verdict("G1-T2", f"{gname} forward ms ({row['provider']})", f"{gms} ms", f"{ms:.3g} ms", label,
-                               "holds" if holds else "does not hold", speed))
+                               judge((ms, ms), (gms, gms), False, RATIO_TOLERANCE), speed))
         else:
             out.append(Verdict("G1-T2", f"{gname} forward ms ({row['provider']})", f"{gms} ms (H200)",
                                f"{ms:.3g} ms", label, "not measurable here",
@@ -168,9 +167,8 @@ def _g1_t2_verdicts(target: str, hw: str, dtype: str, fwd: pd.DataFrame, mem: pd
         gb = guide["memory_gb"][kind]
         if len(m):
             ours = m["value"].iloc[0] * 2**20 / 1e9
-            holds = abs(ours / gb - 1) <= MEMORY_TOLERANCE
             out.append(Verdict("G1-T2", f"{kind} memory ({names[0]})", f"{gb} GB", f"{ours:.3g} GB", label,
-                               "holds" if holds else "does not hold",
+                               judge((ours, ours), (gb, gb), False, MEMORY_TOLERANCE),
                                f"peak beyond the inputs (q, k, v are {inputs_gb:.2g} GB); memory does not "
                                "depend on the GPU model"))
     return out
@@ -234,10 +232,11 @@ def _render_g0_c1(runs: pd.DataFrame) -> Section:
         inside = ((grp["speedup"] >= lo) & (grp["speedup"] <= hi)).mean()
         rows.append({"target": target, "hardware": hw, "mode": mode, "cases": len(grp), "min": smin,
                      "median": smed, "max": smax, f"share in {lo}-{hi}x": inside})
-        verdict = "holds" if inside >= 0.5 else "does not hold"
+        med, c_lo, c_hi = median_interval(grp["speedup"])
         verdicts.append(Verdict(
             "G0-C1", f"SDPA {lo}-{hi}x faster than naive attention ({mode})", f"{lo}-{hi}x",
-            f"{smin:.2f}-{smax:.2f}x (median {smed:.2f}x)", f"{hw} ({target})", verdict,
+            f"{interval_text(med, c_lo, c_hi)} over {len(grp)} shapes ({smin:.2f}-{smax:.2f}x)", f"{hw} ({target})",
+            judge((c_lo, c_hi), (lo, hi)),
             f"{inside:.0%} of {len(grp)} measured shapes fall inside the guide's band",
         ))
     md = ("Naive attention = matmul, softmax, matmul in the input dtype (`standard`); SDPA = PyTorch's default "

@@ -12,7 +12,7 @@ import seaborn as sns
 
 from adaattn.attention.nystrom_triton import fused_solve
 from adaattn.attention.rank import LOW_RANK_METHODS, PINV_ITERS, PINV_MATMULS_PER_ITER
-from adaattn.report.common import Section, Verdict, fmt, md_table, save_figure
+from adaattn.report.common import Section, Verdict, fmt, judge, md_table, save_figure
 from adaattn_experiments.rank import GOAL_MIN_LEN, GOAL_RANK_DIV, low_rank_of
 from adaattn_experiments.side_by_side import BURST, CI_LEVEL
 
@@ -119,14 +119,18 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             x = f[col].dropna()
             if x.empty:
                 continue
-            miss = f[f[col] < GOAL_SPEEDUP]
-            holds = f[f[col] >= GOAL_SPEEDUP]
+            # a point meets the goal only at an error the policy would pay (its budget, from the results)
+            within = f["rel L2 paid"] <= tol
+            met = f[(f[col] >= GOAL_SPEEDUP) & within]
+            miss = len(x) - len(met)
+            worst = 0.0 if (~within[x.index]).any() else x.min()  # over the budget: not met at any speed
             verdicts.append(Verdict(
                 "G2-C1", f"goal: low-rank path ({method}, landmarks <= S/{GOAL_RANK_DIV}) >= {GOAL_SPEEDUP}x the "
-                f"best exact backend at S >= {GOAL_MIN_LEN}, by {basis}", "(issue goal)",
-                f"{x.min():.2f}-{x.max():.2f}x over {len(x)} points; {len(miss)} below {GOAL_SPEEDUP}x"
-                + (f" (holds up to {int(holds['landmarks'].max())} landmarks at some S)" if len(holds) else ""),
-                hw, "holds" if miss.empty else "does not hold",
+                f"best exact backend at S >= {GOAL_MIN_LEN}, rel L2 <= {tol:g}, by {basis}", "(issue goal)",
+                f"{x.min():.2f}-{x.max():.2f}x over {len(x)} points; {miss} not met "
+                f"({int((~within[x.index]).sum())} over the error budget)"
+                + (f" (met up to {int(met['landmarks'].max())} landmarks at some S)" if len(met) else ""),
+                hw, judge((worst, worst), (GOAL_SPEEDUP, None)),
                 f"error paid: rel L2 {f['rel L2 paid'].min():.2g}-{f['rel L2 paid'].max():.2g} (see the table)"
                 + _floor_reason(f)))
     shown = goal.drop(columns=["hardware"]).copy() if len(goal) else goal

@@ -32,3 +32,23 @@ def test_a_report_opens_with_its_verdicts_and_the_index_marks_stale_results(tmp_
     _, index = _render(tmp_path / "changed", changed)
     (row,) = [line for line in index.splitlines() if line.startswith("| G2-T1 ")]
     assert "STALE: cpu" in row, row
+
+
+def test_one_verdict_rule_for_bands_points_and_bounds():
+    """``judge``: the measured interval against the claim's band (docs/methods.md, Verdicts)."""
+    from adaattn.report.common import judge, median_interval
+
+    assert judge((2.5, 3.5), (2, 4)) == "holds"
+    assert judge((5.0, 6.0), (2, 4)) == "better than claimed"  # faster than the guide claims
+    assert judge((5.0, 6.0), (2, 4), higher_is_better=False) == "worse than claimed"  # e.g. ms, memory
+    assert judge((1.0, 1.5), (2, 4)) == "worse than claimed"
+    assert judge((3.5, 4.5), (2, 4)) == "inconclusive"
+    assert judge((1.9, 1.9), (1.8, 1.8), tolerance=0.1) == "holds"  # a point claim, widened
+    assert judge((0.99, 1.02), (None, 1.03), higher_is_better=False) == "holds"  # a bound: no better side
+    assert judge((1.04, 1.05), (None, 1.03), higher_is_better=False) == "worse than claimed"
+    assert judge((1.01, 1.05), (None, 1.03), higher_is_better=False) == "inconclusive"
+    assert judge((float("nan"),) * 2, (1, 2)) == "not measured yet"
+    # a sweep's median: its confidence interval, or the range where the readings are 5 or fewer
+    assert median_interval([1.0, 3.0, 2.0]) == (2.0, 1.0, 3.0)
+    med, lo, hi = median_interval([float(i) for i in range(1, 21)])
+    assert med == 10.5 and 1 < lo < med < hi < 20

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -18,8 +20,9 @@ import yaml  # noqa: E402
 
 from adaattn.attention.providers import PROVIDERS  # noqa: E402
 
-# "inconclusive": measured, but the measurement's confidence interval leaves the claim on both sides
-VERDICTS = ("holds", "does not hold", "inconclusive", "not measurable here", "not measured yet")
+# The one verdict rule (``judge``; each verdict defined in docs/methods.md, "Verdicts")
+VERDICTS = ("holds", "better than claimed", "worse than claimed", "inconclusive", "not measurable here",
+            "by construction", "not measured yet")
 
 # Fixed provider order and colours across every figure.
 PROVIDER_ORDER = list(PROVIDERS)
@@ -45,6 +48,49 @@ class Verdict:
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict {self.verdict!r}; allowed: {VERDICTS}")
+
+
+def cpu_targets(df: pd.DataFrame) -> set[str]:
+    """The targets whose results were measured without CUDA (their rows have no CUDA version)."""
+    cuda = df["cuda"] if "cuda" in df else pd.Series(float("nan"), index=df.index)
+    return set(df.loc[cuda.isna(), "target"]) - set(df.loc[cuda.notna(), "target"])
+
+
+def judge(measured: tuple[float, float], band: tuple[float | None, float | None], higher_is_better: bool = True,
+          tolerance: float = 0.0) -> str:
+    """The one verdict rule: the measured interval (a median's confidence interval; one reading is an interval of
+    one point) against the claim's band widened by ``tolerance`` (a fraction each way; None: that side open, so a
+    bound is a band open on one side). Inside: holds; wholly on the better side: better than claimed; wholly on the
+    worse side: worse than claimed; across an edge: inconclusive."""
+    lo, hi = measured
+    if math.isnan(lo) or math.isnan(hi):
+        return "not measured yet"
+    c_lo = -math.inf if band[0] is None else band[0] * (1 - tolerance)
+    c_hi = math.inf if band[1] is None else band[1] * (1 + tolerance)
+    if c_lo <= lo and hi <= c_hi:
+        return "holds"
+    if lo > c_hi or hi < c_lo:
+        return "better than claimed" if (lo > c_hi) == higher_is_better else "worse than claimed"
+    return "inconclusive"
+
+
+def median_interval(values: Iterable[float]) -> tuple[float, float, float]:
+    """(median, low, high) of a claim's readings over its cases, what ``judge`` reads where a claim spans a sweep:
+    the median's distribution-free 95% confidence interval, or the readings' range where they are too few for one
+    (5 or fewer; one reading is an interval of one point)."""
+    from adaattn.bench.rounds import median_ci
+
+    v = sorted(x for x in values if not math.isnan(x))
+    if not v:
+        return math.nan, math.nan, math.nan
+    lo, hi = median_ci(v)
+    if math.isinf(lo) or math.isinf(hi):
+        lo, hi = v[0], v[-1]
+    return float(pd.Series(v).median()), lo, hi
+
+
+def interval_text(median: float, lo: float, hi: float, unit: str = "x", digits: int = 3) -> str:
+    return f"median {median:.{digits}g}{unit}" + ("" if lo == hi else f" (CI {lo:.{digits}g}-{hi:.{digits}g})")
 
 
 @dataclass
