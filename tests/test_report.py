@@ -2,6 +2,7 @@
 other params than ``params.yaml`` (a ``--set`` run, or params changed since)."""
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,8 @@ def _render(tmp_path: Path, raw: dict) -> tuple[str, str]:
     results = tmp_path / "results"
     shutil.copytree(REPO / "results" / "cpu_baseline", results / "cpu_baseline")
     reports = tmp_path / "reports"
-    render_all({"cpu_baseline": STUDIES["cpu_baseline"]}, validate(raw), raw, results, reports)
+    render_all({"cpu_baseline": STUDIES["cpu_baseline"]}, validate(raw), raw, results, reports,
+               tmp_path / "metrics.json")
     return (reports / "cpu_baseline.md").read_text(), (reports / "README.md").read_text()
 
 
@@ -27,6 +29,9 @@ def test_a_report_opens_with_its_verdicts_and_the_index_marks_stale_results(tmp_
     assert headings[0] == "## Verdicts" and headings[-1] == "## Where the numbers come from", headings
     (row,) = [line for line in index.splitlines() if line.startswith("| G2-T1 ")]
     assert row.endswith("| - |"), row
+    # DVC's metrics: claims per verdict per table id, as the report counts them
+    counts = json.loads((tmp_path / "now" / "metrics.json").read_text())
+    assert list(counts) == ["G2-T1"] and sum(counts["G2-T1"].values()) == report.count("GPU-optimized AdaAttn")
     changed = copy.deepcopy(raw)
     changed["G2-T1"]["cpu"]["embed_dim"] += 64  # the committed results were measured at another width
     _, index = _render(tmp_path / "changed", changed)

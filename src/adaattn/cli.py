@@ -110,6 +110,8 @@ def build_app(studies: Mapping[str, Any]) -> typer.Typer:
         params: PARAMS = Path("params.yaml"),
         results: Annotated[Path, typer.Option(help="results root")] = Path("results"),
         out: Annotated[Path, typer.Option(help="reports folder")] = Path("reports"),
+        metrics: Annotated[Path, typer.Option(help="verdict counts per table id (the DVC metrics file)")] = Path(
+            "metrics/verdicts.json"),
     ) -> None:
         """Render reports/ (figures, tables, README index with verdicts) from results/ only."""
         from adaattn.report.render import render_all
@@ -118,7 +120,7 @@ def build_app(studies: Mapping[str, Any]) -> typer.Typer:
             cfg, raw = load_params(params)
         except ConfigError as err:
             fail(str(err))
-        console.print(f"wrote {render_all(studies, cfg, raw, results, out)}")
+        console.print(f"wrote {render_all(studies, cfg, raw, results, out, metrics)}")
 
     @app.command()
     def log(

@@ -4,6 +4,7 @@ a verdict."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,19 @@ def _verdict_table(verdicts: list[Verdict]) -> str:
     return table + ("\n\n" + "\n".join(notes) if notes else "")
 
 
+def verdict_metrics(by_id: Mapping[str, tuple[str, Section]]) -> dict[str, dict[str, int]]:
+    """Per table id, how many of its claims got each verdict: what ``dvc metrics show`` and ``dvc metrics diff``
+    read (keys with underscores for DVC's command line)."""
+    out = {}
+    for table_id, (_, section) in sorted(by_id.items()):
+        counts = pd.Series([v.verdict for v in section.verdicts], dtype=object).value_counts()
+        if len(counts):
+            out[table_id] = {k.replace(" ", "_"): int(n) for k, n in counts.items()}
+    return out
+
+
 def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_root: Path,
-               reports_root: Path) -> Path:
+               reports_root: Path, metrics_path: Path | None = None) -> Path:
     reports_root.mkdir(parents=True, exist_ok=True)
     by_id: dict[str, tuple[str, Section]] = {}
     stale: dict[str, list[str]] = {}
@@ -107,6 +119,9 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
         lines.append(f"| {table_id} | {guide['title']} | {guide['holds']} | {guide['hardware']} | {link} | {summary} "
                      f"| {flag} |")
     (reports_root / "README.md").write_text("\n".join(lines) + "\n\n" + "\n".join(details))
+    if metrics_path is not None:
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        metrics_path.write_text(json.dumps(verdict_metrics(by_id), indent=1, sort_keys=True) + "\n")
     return reports_root / "README.md"
 
 
