@@ -70,13 +70,27 @@ def test_runs_hold_integer_params_mode_keys_measurement_time_figures_and_the_rep
         f.write_bytes(b"png")
     report = tmp_path / "attention_backends.md"
     report.write_text("# report")
-    log_results_file(client, "attention_backends", path, CONFIG, figures, report)
+    verdicts = tmp_path / "verdicts.csv"
+    hw = pd.read_csv(path)["hardware"].iloc[0]
+    pd.DataFrame([{"table_id": "G1-T2", "claim": "c", "verdict": v, "hardware": h} for v, h in
+                  (("holds", f"{hw} (h100), bf16"), ("holds", f"{hw} (h100), fp16"),
+                   ("better than claimed", hw), ("holds", "NVIDIA H200 (h200), bf16"))]).to_csv(verdicts, index=False)
+    log_results_file(client, "attention_backends", path, CONFIG, figures, report, verdicts)
     parent = next(r for r in _runs(client) if KEY_TAG in r.data.tags)
     names = sorted(a.path for a in client.list_artifacts(parent.info.run_id)) + sorted(
         a.path for a in client.list_artifacts(parent.info.run_id, "figures"))
-    assert names == ["attention_backends.md", "figures", "figures/G1-T1_h100_bf16.png", "figures/g2_b_seq_h100.png"]
+    assert names == ["attention_backends.md", "figures", "guide_figures.json", "verdicts.csv",
+                     "figures/G1-T1_h100_bf16.png", "figures/g2_b_seq_h100.png"]
+    # the verdicts on this target's hardware, counted in the parent's tags; the guide's figures of its table ids
+    tags = parent.data.tags
+    assert (tags["verdicts.holds"], tags["verdicts.better_than_claimed"]) == ("2", "1"), tags
+    guide = client.download_artifacts(parent.info.run_id, "guide_figures.json", str(tmp_path))
+    assert set(pd.read_json(guide, typ="series").index) == set(tags["table_ids"].split(","))
     measured = pd.Timestamp(pd.read_csv(path)["measured_at"].iloc[0]).timestamp() * 1000
     (copy,) = client.get_metric_history(parent.info.run_id, "machine.copy_gbps")
     assert copy.timestamp == int(measured)
     child = next(r for r in _runs(client) if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id)
     assert "." not in child.data.params["seq_len"], child.data.params
+    # a changed verdict logs the target again (its results unchanged)
+    pd.read_csv(verdicts).assign(verdict="inconclusive").to_csv(verdicts, index=False)
+    assert log_results_file(client, "attention_backends", path, CONFIG, figures, report, verdicts) == "logged"

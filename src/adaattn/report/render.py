@@ -31,6 +31,14 @@ def _stale(df: pd.DataFrame, hashes: dict[str, str | None]) -> list[str]:
     return sorted(t for t, h in measured.items() if hashes.get(t) != h)
 
 
+VERDICT_COLUMNS = ["table_id", "claim", "guide", "measured", "hardware", "verdict", "reason"]
+
+
+def verdicts_path(reports_root: Path, study: str) -> Path:
+    """A study's verdicts as data, ``reports/verdicts/<study>.csv`` (apart from its figures: DVC's plots)."""
+    return reports_root / "verdicts" / f"{study}.csv"
+
+
 def render_study(study: Any, params: Params, raw: dict, results_root: Path,
                  reports_root: Path) -> tuple[list[Section], list[str]]:
     """Write ``reports/<study>.md``; returns its sections and the targets whose results are stale."""
@@ -61,6 +69,12 @@ def render_study(study: Any, params: Params, raw: dict, results_root: Path,
         md_table(ceilings) + "\n",
     ]
     (reports_root / f"{study.name}.md").write_text("\n".join(lines))
+    # the verdicts as data (MLflow logs them beside the study's runs)
+    verdicts_path(reports_root, study.name).parent.mkdir(exist_ok=True)
+    pd.DataFrame([{"table_id": v.table_id, "claim": v.claim, "guide": v.guide, "measured": v.measured,
+                   "hardware": v.hardware, "verdict": v.verdict, "reason": v.reason}
+                  for s in judged for v in s.verdicts],
+                 columns=VERDICT_COLUMNS).to_csv(verdicts_path(reports_root, study.name), index=False)
     return sections, _stale(df, hashes)
 
 

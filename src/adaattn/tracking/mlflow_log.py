@@ -24,7 +24,7 @@ from adaattn.bench.results import read_results
 KEY_TAG = "adaattn.key"  # "<study>/<target>" on parent runs
 SHA_TAG = "adaattn.results_sha256"
 FORMAT_TAG = "adaattn.log_format"
-LOG_FORMAT = "2"  # what a run holds: a file logged in another format is logged again
+LOG_FORMAT = "3"  # what a run holds: a file logged in another format is logged again
 
 
 def tracking_uri(root: Path) -> str:
@@ -94,13 +94,17 @@ def _child_runs(df: pd.DataFrame, config_columns: list[str]):
 
 
 def log_results_file(client, study: str, path: Path, config_columns: list[str], artifacts: list[Path],
-                     report: Path | None = None) -> str:
-    """Log one results file (its figures in ``artifacts``, the study's ``report`` beside them); returns
-    'unchanged' or 'logged'."""
+                     report: Path | None = None, verdicts: Path | None = None) -> str:
+    """Log one results file (its figures in ``artifacts``, the study's ``report`` beside them, its ``verdicts``
+    table and the guide's figures for its table ids; the verdicts on this target's hardware counted in tags);
+    returns 'unchanged' or 'logged'."""
     from mlflow.entities import Metric, Param
 
+    from adaattn.report.common import guide_figures
+
     target = path.stem
-    sha = _sha(path)
+    has_verdicts = verdicts is not None and verdicts.is_file()
+    sha = _sha(path) + (f"+{_sha(verdicts)}" if has_verdicts else "")  # a new verdict re-logs the target
     exp = client.get_experiment_by_name(study)
     # experimentKind: MLflow 3's UI opens a "custom model development" experiment on its runs table
     exp_id = exp.experiment_id if exp else client.create_experiment(
@@ -136,6 +140,14 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
         client.log_artifact(pid, str(art), artifact_path="figures")
     if report is not None and report.is_file():
         client.log_artifact(pid, str(report))
+    ids = sorted(df["table_id"].dropna().astype(str).unique())
+    client.log_dict(pid, {i: guide_figures()[i] for i in ids if i in guide_figures()}, "guide_figures.json")
+    if has_verdicts:
+        client.log_artifact(pid, str(verdicts))
+        table = pd.read_csv(verdicts)
+        mine = table[table["hardware"].astype(str).str.contains(prov.get("hardware", "?"), regex=False)]
+        for verdict, n in mine["verdict"].value_counts().items():
+            client.set_tag(pid, f"verdicts.{verdict.replace(' ', '_')}", str(int(n)))
     client.set_terminated(pid)
     return "logged"
 
@@ -144,6 +156,8 @@ def sync(studies: dict, results_root: Path, reports_root: Path, root: Path, mani
     """Log every results file of every study; write a deterministic manifest (the DVC output)."""
     import mlflow
     from mlflow import MlflowClient
+
+    from adaattn.report.render import verdicts_path
 
     uri = tracking_uri(root)
     mlflow.set_tracking_uri(uri)
@@ -155,7 +169,8 @@ def sync(studies: dict, results_root: Path, reports_root: Path, root: Path, mani
             # a figure names its target as one of its name's "_"-separated parts (g2_b_seq_h100, G1-T1_h100_bf16)
             figures = sorted(f for f in (reports_root / name).glob("*.png") if path.stem in f.stem.split("_"))
             actions[f"{name}/{path.stem}"] = log_results_file(client, name, path, study.config_columns, figures,
-                                                              reports_root / f"{name}.md")
+                                                              reports_root / f"{name}.md",
+                                                              verdicts_path(reports_root, name))
             summary.setdefault(name, {})[path.stem] = _sha(path)
     store = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "mlflow.db"
     tmp = manifest.with_suffix(".tmp")
