@@ -25,6 +25,9 @@ def _render(tmp_path: Path, raw: dict) -> tuple[str, str]:
 def test_a_report_opens_with_its_verdicts_and_the_index_marks_stale_results(tmp_path):
     _, raw = load_params(REPO / "params.yaml")
     report, index = _render(tmp_path / "now", raw)
+    cells = [c.strip() for text in (report, index) for line in text.splitlines() if line.startswith("| ")
+             for c in line.split("|")[1:-1]]
+    assert cells and max(map(len, cells)) <= 120  # a longer claim or measurement is written whole in its note
     headings = [line for line in report.splitlines() if line.startswith("## ")]
     assert headings[0] == "## Verdicts" and headings[-1] == "## Where the numbers come from", headings
     (row,) = [line for line in index.splitlines() if line.startswith("| G2-T1 ")]
@@ -37,6 +40,17 @@ def test_a_report_opens_with_its_verdicts_and_the_index_marks_stale_results(tmp_
     _, index = _render(tmp_path / "changed", changed)
     (row,) = [line for line in index.splitlines() if line.startswith("| G2-T1 ")]
     assert "STALE: cpu" in row, row
+
+
+def test_a_verdict_too_long_for_a_cell_is_written_whole_in_its_note():
+    from adaattn.report.common import Verdict
+    from adaattn.report.render import _verdict_table
+
+    long = "median 8.56x by time per call " + "x" * 150
+    table = _verdict_table([Verdict("G2-T2", "speed", "2-4x", long, "H100", "holds", "why")])
+    row, note = table.splitlines()[2], table.splitlines()[-1]
+    assert "... (note 1)" in row and len(max(row.split("|"), key=len).strip()) <= 120
+    assert note == f"1. measured: {long}. why"
 
 
 def test_one_verdict_rule_for_bands_points_and_bounds():

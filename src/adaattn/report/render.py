@@ -78,14 +78,24 @@ def render_study(study: Any, params: Params, raw: dict, results_root: Path,
     return sections, _stale(df, hashes)
 
 
+CELL_CHARS = 120  # a longer claim or measurement is written whole in its note, shortened in the table
+
+
+def _short(text: str, note: int) -> str:
+    return text if len(text) <= CELL_CHARS else text[:CELL_CHARS - 20].rsplit(" ", 1)[0] + f" ... (note {note})"
+
+
 def _verdict_table(verdicts: list[Verdict]) -> str:
-    """The verdicts as a table, each reason a numbered note under it (the cells stay short enough to read)."""
-    table = md_table(pd.DataFrame([{
-        "claim": v.claim, "guide": v.guide, "measured": v.measured, "hardware": v.hardware,
-        "verdict": v.verdict, "note": i if v.reason else "",
-    } for i, v in enumerate(verdicts, 1)]))
-    notes = [f"{i}. {v.reason}" for i, v in enumerate(verdicts, 1) if v.reason]
-    return table + ("\n\n" + "\n".join(notes) if notes else "")
+    """The verdicts as a table, each reason a numbered note under it, with any claim or measurement too long
+    for a cell (the cells stay short enough to read)."""
+    rows, notes = [], []
+    for i, v in enumerate(verdicts, 1):
+        whole = [f"{k}: {t}." for k, t in (("claim", v.claim), ("measured", v.measured)) if len(t) > CELL_CHARS]
+        if v.reason or whole:
+            notes.append(f"{i}. " + " ".join([*whole, v.reason]).strip())
+        rows.append({"claim": _short(v.claim, i), "guide": v.guide, "measured": _short(v.measured, i),
+                     "hardware": v.hardware, "verdict": v.verdict, "note": i if v.reason or whole else ""})
+    return md_table(pd.DataFrame(rows)) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
 def verdict_metrics(by_id: Mapping[str, tuple[str, Section]]) -> dict[str, dict[str, int]]:
