@@ -92,8 +92,6 @@ def backend_unavailable(backend: str, device: str) -> str | None:
     return PROVIDERS[provider].unavailable(device) if provider else None
 
 
-GOAL_OVERHEAD = 1.03  # the 3% goal: adaattn at most 3% slower than the fastest backend called directly
-FIRST_CALL_BUDGET_S = 0.5  # the goal: a new signature's first call within this of the direct backend's
 
 
 def manager_rows(manager: AttentionKernelManager, table_id: str, provider: str) -> list[dict]:
@@ -433,7 +431,8 @@ class ModuleStudy:
             return []
         budget = (self.section_id, self.device)
         lo, hi = self.side_by_side_rounds[budget]
-        settle = GOAL_OVERHEAD if self.section_id == "G2-B" else None  # the goal's: one more block where open
+        # the goal's bound (params.yaml verdicts.goal_overhead): one more block of rounds where it is still open
+        settle = params.verdicts.goal_overhead if self.section_id == "G2-B" else None
         return side_by_side_rows(groups, self.device, keep=keep, budget_ms=self.side_by_side_ms[budget],
                                  min_rounds=lo, max_rounds=hi, paired="adaattn", settle=settle)
 
@@ -455,7 +454,8 @@ class ModuleStudy:
         budget = (self.section_id, self.device)
         lo, hi = self.side_by_side_rounds[budget]
         rows = side_by_side_rows(groups, self.device, keep=["compiled:adaattn"], budget_ms=self.side_by_side_ms[budget],
-                                 min_rounds=lo, max_rounds=hi, paired="compiled:adaattn", settle=GOAL_OVERHEAD,
+                                 min_rounds=lo, max_rounds=hi, paired="compiled:adaattn",
+                                 settle=params.verdicts.goal_overhead,
                                  prefix="compiled_")
         torch._dynamo.reset()
         return rows

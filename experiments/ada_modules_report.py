@@ -12,12 +12,10 @@ import pandas as pd
 import seaborn as sns
 
 from adaattn.bench.rounds import CI_LEVEL
-from adaattn.report.common import (Section, Verdict, fmt, guide_figures, interval_text, judge, md_table,
+from adaattn.report.common import (Section, Verdict, fmt, guide_figures, interval_text, judge, knobs, md_table,
                                    median_interval, save_figure)
-from adaattn_experiments.ada_modules import FIRST_CALL_BUDGET_S, GOAL_OVERHEAD
 from adaattn_experiments.side_by_side import LEFT_ROUNDS
 
-SAME_TOLERANCE = 0.10  # G2-T1: "the same ms" within 10%
 MAIN = ["mha", "standard", "adaattn", "adaattn_auto", "adaattn_noopt"]
 FIGURE_METRICS = ["time_ms", "kernel_ms", "peak_mem_mb"]  # the scaling figures' rows (kernel_ms: CUDA only)
 def render(study: str, df: pd.DataFrame, out_dir: Path) -> list[Section]:
@@ -63,8 +61,9 @@ def _g2_t1(runs: pd.DataFrame) -> Section:
                 f"{guide['gpu_optimized'][point]} vs {guide['standard'][point]} ms (CPU not named)",
                 f"adaattn / adaattn_noopt per round {_ratio_text(noopt)}"
                 + ("" if ratio is None else f"; adaattn / nn.MultiheadAttention {ratio['value']:.3f}"), m["hardware"],
-                _verdict(noopt, 1 - SAME_TOLERANCE, 1 + SAME_TOLERANCE),
-                f"same within {SAME_TOLERANCE:.0%}, on the {CI_LEVEL:.0%} confidence interval of the median of the "
+                _verdict(noopt, 1 - knobs().same_time_tolerance, 1 + knobs().same_time_tolerance),
+                f"same within {knobs().same_time_tolerance:.0%}, on the {CI_LEVEL:.0%} confidence interval of the "
+                "median of the "
                 "per-round ratios (docs/methods.md, Verdicts); the guide's "
                 "absolute ms are from a CPU it does not name, so only the ratio is compared"))
     md = ("Forward time per call (ms), embed 512, 8 heads, fp32: mean ± standard deviation over rounds in which "
@@ -108,7 +107,6 @@ def _verdict(r: dict, low: float | None, high: float | None) -> str:
 
 
 GPU_BOUND = 3.0  # a shape is GPU-bound where the fastest direct call's kernel time is at least this x its host time
-STACK_BOUND = 1.02  # the stack check: AdaAttention's stack at most this x SDPA's step time
 # the goal's readings: (results metric of the per-round ratio, what the ratio is of, which shapes it covers)
 READINGS = {"eager": ("paired_ratio", "time per call, eager, side by side (shuffled rounds)", "GPU-bound"),
             "kernel": ("goal_kernel_paired_ratio", "kernel time, eager (the calls interleaved in one profiler trace)",
@@ -161,10 +159,11 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
     ranks["signature"] = ranks["signature"].str.removeprefix("manager/")
     util_tab = util[[c for c in util.columns if c in ("target", "batch", "seq_len", "mode", *MAIN)]] \
         if not util.empty else util
-    md = ("### Goal: AdaAttention within 3% of the fastest backend called directly\n\n"
+    md = (f"### Goal: AdaAttention within {knobs().goal_overhead - 1:.0%} of the fastest backend called directly\n\n"
           "Each ratio is adaattn's time over the fastest direct backend's, taken round by round with both called in "
           f"the same round (the median over the rounds and its {CI_LEVEL:.0%} confidence interval; a shape is above "
-          f"{GOAL_OVERHEAD} where the interval lies above it, undecided where it spans it; docs/methods.md). Eager "
+          f"{knobs().goal_overhead} where the interval lies above it, undecided where it spans it; docs/methods.md). "
+          "Eager "
           f"time per call is judged at GPU-bound shapes only (the fastest direct call's kernel time at least "
           f"{GPU_BOUND:g}x its host time: `kernel / host`); at host-bound shapes it is reported without a goal, as "
           "CUDA graphs and compilation are the answer there (the compiled column). Kernel time and compiled time per "
@@ -247,12 +246,13 @@ def _goal_table(runs: pd.DataFrame, bound: dict[tuple, float]) -> tuple[pd.DataF
     verdicts = []
     for (target, name), points in sorted(judged.items()):
         _, label, shapes = READINGS[name]
-        sides = [_verdict(r, None, GOAL_OVERHEAD) for _, r in points]
+        sides = [_verdict(r, None, knobs().goal_overhead) for _, r in points]
         above, open_ = sides.count("worse than claimed"), sides.count("inconclusive")
         worst_row, worst = max(points, key=lambda p: p[1]["value"])
         verdicts.append(Verdict(
-            "G2-B", f"goal: AdaAttention (rank full) within 3% of the fastest backend called directly, {label}",
-            "(issue goal)", f"{above} of {len(points)} shapes x modes above {GOAL_OVERHEAD}"
+            "G2-B", f"goal: AdaAttention (rank full) within {knobs().goal_overhead - 1:.0%} of the fastest backend "
+            f"called directly, {label}",
+            "(issue goal)", f"{above} of {len(points)} shapes x modes above {knobs().goal_overhead}"
             + (f", {open_} undecided" if open_ else "") + f"; worst {_ratio_text(worst)} at B={worst_row['B']} "
             f"S={worst_row['S']} {worst_row['mode']}", hw.get(target, target),
             "worse than claimed" if above else "inconclusive" if open_ else "holds",
@@ -283,12 +283,13 @@ def _first_calls(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Verdict]]:
     verdicts = []
     for target, points in by_target.items():
         worst, row = max(points, key=lambda p: p[0])
-        over = sum(e > FIRST_CALL_BUDGET_S for e, _ in points)
+        over = sum(e > knobs().first_call_budget_s for e, _ in points)
         verdicts.append(Verdict(
-            "G2-B", f"goal: a new signature's first call at most {FIRST_CALL_BUDGET_S:g} s more than the direct "
+            "G2-B", f"goal: a new signature's first call at most {knobs().first_call_budget_s:g} s more than the "
+            "direct "
             "backend's", "(issue goal)", f"{over} of {len(points)} shapes x modes over; worst {worst:.3f} s at "
             f"B={row['B']} S={row['S']} {row['mode']}", hw.get(target, target),
-            judge((worst, worst), (None, FIRST_CALL_BUDGET_S), higher_is_better=False),
+            judge((worst, worst), (None, knobs().first_call_budget_s), higher_is_better=False),
             "the direct call comes after adaattn's, its per-shape setup done: an upper bound of the difference"))
     return pd.DataFrame(rows), verdicts
 
@@ -307,9 +308,9 @@ def _stack(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Verdict]]:
         rows.append({"target": target, "case": c["case_id"].split("/")[-1], "adaattn step ms": fmt(ms.get("stack:adaattn")),
                      "sdpa step ms": fmt(ms.get("stack:sdpa")), "adaattn / sdpa, per round": _ratio_text(r)})
         verdicts.append(Verdict(
-            "G2-B", f"stack check: AdaAttention's stack at most {STACK_BOUND}x SDPA's, compiled, training step",
+            "G2-B", f"stack check: AdaAttention's stack at most {knobs().stack_bound}x SDPA's, compiled, training step",
             "(issue goal)", f"{_ratio_text(r)} ({c['case_id'].split('/')[-1]})", hw.get(target, target),
-            _verdict(r, None, STACK_BOUND), "by the confidence interval of the median per-round ratio"))
+            _verdict(r, None, knobs().stack_bound), "by the confidence interval of the median per-round ratio"))
     return pd.DataFrame(rows), verdicts
 
 

@@ -13,7 +13,7 @@ import seaborn as sns
 
 from adaattn.attention.providers import BASELINE
 from adaattn.report.common import (
-    PROVIDER_COLORS, PROVIDER_ORDER, Section, Verdict, fmt, guide_figures, interval_text, judge, md_table,
+    PROVIDER_COLORS, PROVIDER_ORDER, Section, Verdict, fmt, guide_figures, interval_text, judge, knobs, md_table,
     median_interval, save_figure,
 )
 
@@ -25,11 +25,9 @@ GUIDE_PROVIDERS = {
     "flash_attn": ("flash_attn",),
     "standard": ("standard",),
 }
-# A relative figure "holds" when ours is within this factor of the guide's band (timing spread and
-# the H200 vs measured-GPU difference are larger than the guide's 2% bands).
-RATIO_TOLERANCE = 0.10
-# Memory does not depend on the GPU model; the guide's GB are rounded.
-MEMORY_TOLERANCE = 0.25
+# Tolerances (params.yaml verdicts): a relative figure's band is widened for timing spread and the H200 vs
+# measured-GPU difference (larger than the guide's 2% bands); memory does not depend on the GPU model, and the
+# guide's GB are rounded.
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
@@ -135,8 +133,8 @@ def _g1_t1_verdicts(fwd: pd.DataFrame, base_ms: float, label: str) -> list[Verdi
             continue
         speed = base_ms / row["value"]
         out.append(Verdict("G1-T1", f"{gname} speed vs SDPA ({row['provider']})", f"{lo}-{hi}x", f"{speed:.2f}x",
-                           label, judge((speed, speed), (lo, hi), tolerance=RATIO_TOLERANCE),
-                           f"band widened by {RATIO_TOLERANCE:.0%} for timing spread"))
+                           label, judge((speed, speed), (lo, hi), tolerance=knobs().guide_ratio_tolerance),
+                           f"band widened by {knobs().guide_ratio_tolerance:.0%} for timing spread"))
     return out
 
 
@@ -156,7 +154,7 @@ def _g1_t2_verdicts(target: str, hw: str, dtype: str, fwd: pd.DataFrame, mem: pd
         speed = f"ours is {gms / ms:.1f}x faster" if ms < gms else f"ours is {ms / gms:.1f}x slower"
         if _on_guide_hardware(hw):
             out.append(Verdict("G1-T2", f"{gname} forward ms ({row['provider']})", f"{gms} ms", f"{ms:.3g} ms", label,
-                               judge((ms, ms), (gms, gms), False, RATIO_TOLERANCE), speed))
+                               judge((ms, ms), (gms, gms), False, knobs().guide_ratio_tolerance), speed))
         else:
             out.append(Verdict("G1-T2", f"{gname} forward ms ({row['provider']})", f"{gms} ms (H200)",
                                f"{ms:.3g} ms", label, "not measurable here",
@@ -168,7 +166,7 @@ def _g1_t2_verdicts(target: str, hw: str, dtype: str, fwd: pd.DataFrame, mem: pd
         if len(m):
             ours = m["value"].iloc[0] * 2**20 / 1e9
             out.append(Verdict("G1-T2", f"{kind} memory ({names[0]})", f"{gb} GB", f"{ours:.3g} GB", label,
-                               judge((ours, ours), (gb, gb), False, MEMORY_TOLERANCE),
+                               judge((ours, ours), (gb, gb), False, knobs().guide_memory_tolerance),
                                f"peak beyond the inputs (q, k, v are {inputs_gb:.2g} GB); memory does not "
                                "depend on the GPU model"))
     return out

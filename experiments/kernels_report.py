@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
-from adaattn.report.common import (Section, Verdict, fmt, guide_figures, interval_text, judge, md_table,
+from adaattn.report.common import (Section, Verdict, fmt, guide_figures, interval_text, judge, knobs, md_table,
                                    median_interval, save_figure)
 
 PROVIDERS = ["eager", "compile", "liger", "ours", "ours_inplace"]
@@ -20,7 +20,6 @@ COLORS = dict(zip(PROVIDERS, sns.color_palette("colorblind", len(PROVIDERS)), st
 GUIDE_NAMES = {"rope": "RoPE", "swiglu": "SwiGLU", "rms_norm": "RMSNorm"}
 GOAL_RATIO = 0.97  # ours >= 0.97x the best of the peers
 GOAL_COPY = 0.90  # forward >= 90% of copy bandwidth for tensors of 64 MB and more
-SPEEDUP_TOLERANCE = 0.10
 
 
 TIMES = {"kernel_ms": "kernel time (GPU, summed over the call's kernels; the providers' calls "
@@ -71,7 +70,7 @@ def _g4_t2(runs: pd.DataFrame) -> Section:
                     x = frame.loc[at, "eager"] / frame.loc[at, "ours"]
                     if pd.notna(x):
                         reads[basis] = x
-            judged = {b: judge((x, x), (g["speedup"], g["speedup"]), tolerance=SPEEDUP_TOLERANCE)
+            judged = {b: judge((x, x), (g["speedup"], g["speedup"]), tolerance=knobs().guide_ratio_tolerance)
                       for b, x in reads.items()}
             agree = len(set(judged.values())) == 1
             verdicts.append(Verdict(
@@ -157,7 +156,7 @@ def _g4_t1(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> Section:
             verdicts.append(Verdict(
                 "G4-T1", f"Triton kernels {band[0]}-{band[1]}x faster", f"{band[0]}-{band[1]}x (RTX 4090)",
                 f"{interval_text(med, lo, hi)} over {len(s)} forward sizes ({s.min():.2f}-{s.max():.2f}x)", hw,
-                judge((lo, hi), tuple(band), tolerance=SPEEDUP_TOLERANCE),
+                judge((lo, hi), tuple(band), tolerance=knobs().guide_ratio_tolerance),
                 "ours vs eager PyTorch, forward, every kernel and size of the sweep"))
     cache = df[df["metric"] == "cache_bytes"]
     for (target, hw), frame in cache.groupby(["target", "hardware"]):

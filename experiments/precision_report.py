@@ -8,11 +8,12 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
-from adaattn.report.common import Section, Verdict, cpu_targets, fmt, guide_figures, judge, md_table, save_figure
+from adaattn.attention.backends import Signature
+from adaattn.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table,
+                                   save_figure)
 from adaattn_experiments.precision import DTYPE_OF
 
 PRECISIONS = ["fp32", "tf32", "fp16", "bf16"]
-TOLERANCE = 0.20  # "~1.8x" and "~0.5x" hold within 20%
 GPU_CLAIM = "a GPU claim (tensor cores); this target is a CPU"
 KEY = ["target", "hardware", "op", "inputs", "mode"]
 
@@ -22,8 +23,8 @@ def block_backends(df: pd.DataFrame) -> dict[tuple[str, str, str], str]:
     first), from the ``manager_ranking`` rows: the signature key's dtype and grad fields."""
     out = {}
     for _, r in df[df["metric"] == "manager_ranking"].iterrows():
-        fields = str(r["case_id"]).removeprefix("manager/").split("|")
-        out[(r["target"], fields[2], "fwd_bwd" if fields[-2] == "1" else "fwd")] = str(r["kernel"]).split(" ")[0]
+        sig = Signature.from_key(str(r["case_id"]).removeprefix("manager/"))
+        out[(r["target"], sig.dtype, "fwd_bwd" if sig.grad else "fwd")] = str(r["kernel"]).split(" ")[0]
     return out
 
 
@@ -76,7 +77,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
 
 
 def _verdicts(t: pd.DataFrame, guide: dict, g2_t2: dict, cpu_targets: set[str]) -> list[Verdict]:
-    out = []
+    out, tol = [], knobs().precision_tolerance
     sel = t[(t["mode"] == "fwd") & (t["inputs"] == "normal")]
     for (target, hw, op), f in sel.groupby(["target", "hardware", "op"]):
         by = f.set_index("precision")
@@ -90,17 +91,18 @@ def _verdicts(t: pd.DataFrame, guide: dict, g2_t2: dict, cpu_targets: set[str]) 
             on_gpu = target not in cpu_targets
             out.append(Verdict("G2-T3", f"{p.upper()} ~{g_speed}x faster than FP32 ({op}, forward)", f"~{g_speed}x",
                                f"{speed:.2f}x", hw,
-                               judge((speed, speed), (g_speed, g_speed), tolerance=TOLERANCE) if on_gpu
+                               judge((speed, speed), (g_speed, g_speed), tolerance=tol) if on_gpu
                                else "not measurable here",
-                               f"within {TOLERANCE:.0%} of the guide's figure" if on_gpu else GPU_CLAIM))
+                               f"within {tol:.0%} of the guide's figure" if on_gpu else GPU_CLAIM))
             out.append(Verdict("G2-T3", f"{p.upper()} ~{g_mem}x the memory of FP32 ({op}, forward)", f"~{g_mem}x",
-                               f"{mem:.2f}x", hw, judge((mem, mem), (g_mem, g_mem), False, tolerance=TOLERANCE),
-                               f"peak memory of one call, within {TOLERANCE:.0%}"))
+                               f"{mem:.2f}x", hw, judge((mem, mem), (g_mem, g_mem), False, tolerance=tol),
+                               f"peak memory of one call, within {tol:.0%}"))
             out.append(Verdict("G2-T3", f"{p.upper()} MSE < {g_mse:g} ({op}, forward)", f"< {g_mse:g} (vs FP32)",
                                f"{mse:.3g} (vs float64)", hw, judge((mse, mse), (None, g_mse), False),
                                "N(0,1) inputs; the MSE scales with the output's magnitude, which the guide does not give"))
             lo, hi = g2_t2["low_precision_speedup"]
             out.append(Verdict("G2-T2", f"{lo}-{hi}x speedup with {p.upper()} ({op}, forward)", f"{lo}-{hi}x",
-                               f"{speed:.2f}x", hw, judge((speed, speed), (lo, hi)) if on_gpu else "not measurable here",
+                               f"{speed:.2f}x", hw,
+                               judge((speed, speed), (lo, hi)) if on_gpu else "not measurable here",
                                "" if on_gpu else GPU_CLAIM))
     return out

@@ -12,11 +12,10 @@ import seaborn as sns
 
 from adaattn.attention.nystrom_triton import fused_solve
 from adaattn.attention.rank import LOW_RANK_METHODS, PINV_ITERS, PINV_MATMULS_PER_ITER
-from adaattn.report.common import Section, Verdict, fmt, judge, md_table, save_figure
+from adaattn.report.common import Section, Verdict, fmt, judge, knobs, md_table, save_figure
 from adaattn_experiments.rank import GOAL_MIN_LEN, GOAL_RANK_DIV, low_rank_of
 from adaattn_experiments.side_by_side import BURST, CI_LEVEL
 
-GOAL_SPEEDUP = 2.0  # low-rank at rank <= S/16 at least 2x faster than the best exact backend at S >= 8192
 # what the r x r solve costs at least (``rank.RankStudy._solve_floor``): metric -> column
 SOLVE_FLOORS = {"pinv_fp32_ms": "pinv products ms (cuBLAS fp32)", "pinv_bf16_ms": "pinv products ms (cuBLAS bf16)",
                 "lu_solve_ms": "LU solve ms (fp32)"}
@@ -25,6 +24,7 @@ FUSED = re.compile(r"\b(_landmarks|_bv_partial|_landmark_solve|_nystrom_out)\b")
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
+    bound = knobs().low_rank_speedup  # the low-rank path over the best exact backend (params.yaml verdicts)
     runs = df[(df["case_id"] != "machine")]
     ok = runs[runs["status"] == "ok"]
     timed = ok[ok["metric"].isin(["time_ms", "kernel_ms", "rel_l2", "side_by_side_ms"])].pivot_table(
@@ -99,7 +99,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                     # the pooled path solves nothing
                     floor = {} if method != "nystrom" or fused_solve(n, int(D)) else \
                         floors.get((heads_of.get(case_id), n, int(D)), {})
-                    budget = (side[sbest] if sbest else times[best]) / GOAL_SPEEDUP
+                    budget = (side[sbest] if sbest else times[best]) / bound
                     goal_rows.append({
                         "target": target, "hardware": hw, "inputs": inputs, "S": int(S), "method": method,
                         "landmarks": n, "path": _path(method, names.get((case_id, p), ""), n, int(D)),
@@ -107,7 +107,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                         "speedup by kernel time": (ktimes[kbest] / ktimes[p] if kbest in ktimes and p in ktimes
                                                    else float("nan")),
                         "rel L2 paid": errs.get(p), "best exact": (sbest or best),
-                        f"{GOAL_SPEEDUP:g}x budget ms": budget,
+                        f"{bound:g}x budget ms": budget,
                         **{SOLVE_FLOORS[m]: floor.get(m, float("nan")) for m in SOLVE_FLOORS}})
     goal = pd.DataFrame(goal_rows)
     verdicts = []
@@ -121,21 +121,21 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                 continue
             # a point meets the goal only at an error the policy would pay (its budget, from the results)
             within = f["rel L2 paid"] <= tol
-            met = f[(f[col] >= GOAL_SPEEDUP) & within]
+            met = f[(f[col] >= bound) & within]
             miss = len(x) - len(met)
             worst = 0.0 if (~within[x.index]).any() else x.min()  # over the budget: not met at any speed
             verdicts.append(Verdict(
-                "G2-C1", f"goal: low-rank path ({method}, landmarks <= S/{GOAL_RANK_DIV}) >= {GOAL_SPEEDUP}x the "
+                "G2-C1", f"goal: low-rank path ({method}, landmarks <= S/{GOAL_RANK_DIV}) >= {bound}x the "
                 f"best exact backend at S >= {GOAL_MIN_LEN}, rel L2 <= {tol:g}, by {basis}", "(issue goal)",
                 f"{x.min():.2f}-{x.max():.2f}x over {len(x)} points; {miss} not met "
                 f"({int((~within[x.index]).sum())} over the error budget)"
                 + (f" (met up to {int(met['landmarks'].max())} landmarks at some S)" if len(met) else ""),
-                hw, judge((worst, worst), (GOAL_SPEEDUP, None)),
+                hw, judge((worst, worst), (bound, None)),
                 f"error paid: rel L2 {f['rel L2 paid'].min():.2g}-{f['rel L2 paid'].max():.2g} (see the table)"
                 + _floor_reason(f)))
     shown = goal.drop(columns=["hardware"]).copy() if len(goal) else goal
     if len(shown):
-        for col in ("speedup vs best exact", "speedup by kernel time", "rel L2 paid", f"{GOAL_SPEEDUP:g}x budget ms",
+        for col in ("speedup vs best exact", "speedup by kernel time", "rel L2 paid", f"{bound:g}x budget ms",
                     *SOLVE_FLOORS.values()):
             shown[col] = shown[col].map(fmt)
     real = sorted({i for i in runs["inputs"].dropna().unique() if str(i).startswith("minilm-l")})
@@ -165,7 +165,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "timed together; after a first block of rounds an exact backend that another beats with "
           f"{CI_LEVEL:.0%} confidence leaves the rounds: `experiments/side_by_side.py`); kernel time: the sweep's "
           "interleaved kernel traces. Each low-rank path has its verdict. The budget is the time the whole "
-          f"low-rank call may take ({GOAL_SPEEDUP:g}x faster than the best exact). Nyström's r x r "
+          f"low-rank call may take ({bound:g}x faster than the best exact). Nyström's r x r "
           f"solve's cost on this GPU: the pseudo-inverse's {PINV_ITERS * PINV_MATMULS_PER_ITER} batched products "
           f"({PINV_ITERS} Newton-Schulz iterations of {PINV_MATMULS_PER_ITER}) as cuBLAS runs them in fp32 and in "
           "bf16, and a direct LU solve (`torch.linalg.solve`, fp32), shown where the path solves by batched "
@@ -189,7 +189,8 @@ def _solve_floors(ok: pd.DataFrame) -> dict[tuple[int, int, int], dict[str, floa
 
 def _floor_reason(f: pd.DataFrame) -> str:
     """Where the r x r solve alone takes longer than the goal allows the whole call."""
-    budget, bf16, lu, fp32 = (f[f"{GOAL_SPEEDUP:g}x budget ms"], f[SOLVE_FLOORS["pinv_bf16_ms"]],
+    bound = knobs().low_rank_speedup
+    budget, bf16, lu, fp32 = (f[f"{bound:g}x budget ms"], f[SOLVE_FLOORS["pinv_bf16_ms"]],
                               f[SOLVE_FLOORS["lu_solve_ms"]], f[SOLVE_FLOORS["pinv_fp32_ms"]])
     if bf16.isna().all():
         return ""
@@ -199,7 +200,7 @@ def _floor_reason(f: pd.DataFrame) -> str:
     if len(over):
         out += (f"; at {len(over)} of {len(f)} points ({int(over['landmarks'].min())}-{int(over['landmarks'].max())} "
                 f"landmarks, solved by batched products) the r x r solve alone takes longer than the whole call may "
-                f"({GOAL_SPEEDUP:g}x budget), both as the pseudo-inverse's {n_mm} products in cuBLAS bf16 and as a "
+                f"({bound:g}x budget), both as the pseudo-inverse's {n_mm} products in cuBLAS bf16 and as a "
                 "direct LU solve: no solve of that size by these means meets the goal on this GPU")
     fp32_only = f[(fp32 > budget) & ~((bf16 > budget) & (lu > budget))]
     if len(fp32_only):

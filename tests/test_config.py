@@ -31,6 +31,22 @@ def test_wrong_type_names_key(raw):
     assert "G1-T2.gpu.batch" in msg and "integer" in msg
 
 
+def test_the_verdict_knobs_are_parameters_checked_by_name(raw):
+    """The reports judge by params.yaml's verdicts section (docs/methods.md, Verdicts); a bad value names its key."""
+    from adaattn.report.common import knobs, use_knobs
+
+    assert validate(raw).verdicts.goal_overhead == raw["verdicts"]["goal_overhead"]
+    raw["verdicts"]["goal_overhead"] = 0.97
+    assert "verdicts.goal_overhead" in _error(raw)
+    raw["verdicts"]["goal_overhead"] = 1.05
+    raw["verdicts"]["goal_overhaed"] = 1.05
+    assert "verdicts.goal_overhaed" in _error(raw)
+    del raw["verdicts"]["goal_overhaed"]
+    with use_knobs(validate(raw).verdicts):
+        assert knobs().goal_overhead == 1.05
+    assert knobs().goal_overhead == 1.03  # the defaults outside a rendering
+
+
 def test_unknown_provider_lists_allowed(raw):
     raw["G1-T1"]["cpu"]["providers"] = ["sdpa", "magic_attention"]
     msg = _error(raw)

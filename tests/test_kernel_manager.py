@@ -262,3 +262,11 @@ def test_gpu_turns_time_the_gpu_work_not_the_host():
     assert 0.8 * min(alone) < gpu < 1.2 * max(alone) and host < 0.2 and sync < 0.5
     torch.nn.Linear(4, 4, device="cuda")  # random ops still run after a failed capture (not "offset increment")
     assert torch.randn(2, device="cuda").isfinite().all()
+
+
+def test_a_signature_key_reads_back():
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 12, 16)
+    sig = Signature.of(q, k, "causal")
+    assert Signature.from_key(sig.key()) == sig
+    with pytest.raises(ValueError, match="not a signature key"):
+        Signature.from_key("cpu|x86_64|float32")

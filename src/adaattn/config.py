@@ -391,11 +391,26 @@ class G2C1Section(ByProfile):
     gpu: G2C1Rank
 
 
+class Verdicts(_Section):
+    """The verdict rule's tolerances and the project's goals' bounds (docs/methods.md, Verdicts): what the
+    reports judge by, so that every verdict is regenerated from parameters."""
+
+    guide_ratio_tolerance: float = Field(0.10, ge=0)  # a guide's ratio or ms from other hardware (G1, G4)
+    guide_memory_tolerance: float = Field(0.25, ge=0)  # G1-T2's memory figures
+    precision_tolerance: float = Field(0.20, ge=0)  # G2-T3's "~1.8x" and "~0.5x"
+    same_time_tolerance: float = Field(0.10, ge=0)  # G2-T1's "the same ms"
+    goal_overhead: float = Field(1.03, gt=1)  # G2-B: AdaAttention at most this x the fastest direct backend
+    first_call_budget_s: float = Field(0.5, gt=0)  # G2-B: a new signature's first call, over the direct one's
+    stack_bound: float = Field(1.02, gt=1)  # G2-B: the 12-block stack's step time over SDPA's
+    low_rank_speedup: float = Field(2.0, gt=1)  # G2-C1: the low-rank path over the best exact backend
+
+
 class Params(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     targets: Annotated[dict[str, Target], Field(min_length=1)]
     bench: Bench = Bench()
+    verdicts: Verdicts = Verdicts()
     g1_t2: G1T2Section = Field(alias="G1-T2")
     g1_t1: G1T1Section = Field(alias="G1-T1")
     g4_t2: G4T2Section = Field(alias="G4-T2")

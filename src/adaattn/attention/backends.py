@@ -47,6 +47,14 @@ class Signature:
                                           self.q_len, self.k_len, self.mask, int(self.grad), int(self.square)))
 
     @staticmethod
+    def from_key(key: str) -> Signature:
+        """The signature ``key()`` wrote (results and caches keep keys)."""
+        f = key.split("|")
+        if len(f) != 12:
+            raise ValueError(f"not a signature key (12 fields joined by '|'): {key!r}")
+        return Signature(f[0], f[1], f[2], *map(int, f[3:9]), f[9], f[10] == "1", f[11] == "1")
+
+    @staticmethod
     def of(q: Tensor, k: Tensor, mask: str) -> Signature:
         """The signature of a call on q (B, Hq, L, D) and k (B, Hkv, S, D)."""
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Iterable
@@ -48,6 +49,25 @@ class Verdict:
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict {self.verdict!r}; allowed: {VERDICTS}")
+
+
+_knobs: list = []  # the verdicts section the reports are rendered under (render_all sets it)
+
+
+def knobs():
+    """The ``verdicts`` section of the params the reports are rendered under (its defaults outside ``use_knobs``)."""
+    from adaattn.config import Verdicts
+
+    return _knobs[-1] if _knobs else Verdicts()
+
+
+@contextlib.contextmanager
+def use_knobs(verdicts):
+    _knobs.append(verdicts)
+    try:
+        yield
+    finally:
+        _knobs.pop()
 
 
 def cpu_targets(df: pd.DataFrame) -> set[str]:

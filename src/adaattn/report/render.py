@@ -13,7 +13,7 @@ import pandas as pd
 
 from adaattn.bench.results import read_study
 from adaattn.config import Params, params_hash
-from adaattn.report.common import Section, Verdict, guide_figures, md_table, provenance_table
+from adaattn.report.common import Section, Verdict, guide_figures, md_table, provenance_table, use_knobs
 
 
 def _current_hashes(study: Any, params: Params, raw: dict, df: pd.DataFrame) -> dict[str, str | None]:
@@ -115,7 +115,8 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
     by_id: dict[str, tuple[str, Section]] = {}
     stale: dict[str, list[str]] = {}
     for name, study in studies.items():
-        sections, stale[name] = render_study(study, params, raw, results_root, reports_root)
+        with use_knobs(params.verdicts):
+            sections, stale[name] = render_study(study, params, raw, results_root, reports_root)
         for section in sections:
             by_id[section.table_id] = (name, section)
     lines = [
