@@ -125,8 +125,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             miss = len(x) - len(met)
             worst = 0.0 if (~within[x.index]).any() else x.min()  # over the budget: not met at any speed
             verdicts.append(Verdict(
-                "G2-C1", f"goal: low-rank path ({method}, landmarks <= S/{GOAL_RANK_DIV}) >= {bound}x the "
-                f"best exact backend at S >= {GOAL_MIN_LEN}, rel L2 <= {tol:g}, by {basis}", "(issue goal)",
+                "G2-C1", f"goal: low-rank ({method}, landmarks <= S/{GOAL_RANK_DIV}) >= {bound:g}x the best exact at "
+                f"S >= {GOAL_MIN_LEN}, rel L2 <= {tol:g}, by {basis}", "(issue goal)",
                 f"{x.min():.2f}-{x.max():.2f}x over {len(x)} points; {miss} not met "
                 f"({int((~within[x.index]).sum())} over the error budget)"
                 + (f" (met up to {int(met['landmarks'].max())} landmarks at some S)" if len(met) else ""),
