@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
-from adaattn.attention.nystrom_triton import fused_solve
+from adaattn.kernels.nystrom import fused_solve
 from adaattn.attention.rank import LOW_RANK_METHODS, PINV_ITERS, PINV_MATMULS_PER_ITER
 from adaattn.report.common import Section, Verdict, fmt, judge, knobs, md_table, save_figure
 from adaattn_experiments.rank import GOAL_MIN_LEN, GOAL_RANK_DIV, low_rank_of
@@ -19,7 +19,7 @@ from adaattn_experiments.side_by_side import BURST, CI_LEVEL
 # what the r x r solve costs at least (``rank.RankStudy._solve_floor``): metric -> column
 SOLVE_FLOORS = {"pinv_fp32_ms": "pinv products ms (cuBLAS fp32)", "pinv_bf16_ms": "pinv products ms (cuBLAS bf16)",
                 "lu_solve_ms": "LU solve ms (fp32)"}
-# the fused Nyström kernels (attention/nystrom_triton.py); the recorded names are a call's top 3
+# the fused Nyström kernels (kernels/nystrom.py); the recorded names are a call's top 3
 FUSED = re.compile(r"\b(_landmarks|_bv_partial|_landmark_solve|_nystrom_out)\b")
 
 

@@ -429,7 +429,7 @@ def test_kernel_manager_times_calls_that_are_not_its_backends(monkeypatch):
 
 def test_pooled_attention_is_exact_on_keys_equal_within_segments(monkeypatch):
     """Uneven segments (a log-size bias), GQA, a subset of rows, float64; and differentiable. The
-    PyTorch path (the fused one: test_nystrom_triton.py)."""
+    PyTorch path (the fused one: test_nystrom_kernels.py)."""
     import adaattn.attention.rank as rank_mod
     from adaattn.attention.rank import pooled_attention
 

@@ -63,6 +63,18 @@ def test_mlflow_ui_lists_study_runs(repo, tmp_path):
         newest_parent = max((r for r in runs if "mlflow.parentRunId" not in r.data.tags),
                             key=lambda r: r.info.start_time)
         assert client.list_artifacts(newest_parent.info.run_id, "figures")
+        # what the server holds, read back over HTTP: the report, the verdicts (as data and counted in the parent's
+        # tags) and the guide's figures; integer params that filter as integers; no "nan." key; measurement times
+        names = {a.path for a in client.list_artifacts(newest_parent.info.run_id)}
+        assert {"attention_backends.md", "verdicts.csv", "guide_figures.json", "figures"} <= names, names
+        assert any(k.startswith("verdicts.") for k in newest_parent.data.tags), newest_parent.data.tags
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == newest_parent.info.run_id]
+        seq = children[0].data.params["seq_len"]
+        assert seq.isdigit() and client.search_runs([exp.experiment_id], filter_string=f"params.seq_len = '{seq}'")
+        keys = {k for c in children for k in c.data.metrics}
+        assert keys and not any(k.startswith("nan.") or ".nan" in k for k in keys)
+        (key, _), = list(children[0].data.metrics.items())[:1]
+        assert client.get_metric_history(children[0].info.run_id, key)[0].timestamp > 0
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1000})

@@ -144,3 +144,21 @@ def test_gpu_target_refused_without_that_gpu(repo, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ConfigError, match="this machine has 'NVIDIA A100"):
         check_hardware("h100", params.targets["h100"])
+
+
+def test_config_checks_names_without_importing_what_runs_them():
+    """params.yaml's provider and backend names live in adaattn.names; the registries check them at import."""
+    import subprocess
+    import sys
+
+    code = "import sys, adaattn.config; print(sorted(m for m in sys.modules if m.startswith('adaattn.attention')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    from adaattn.attention.backends import BACKENDS
+    from adaattn.attention.providers import PROVIDERS
+    from adaattn.names import ATTENTION_PROVIDERS, check_registry
+    from adaattn.names import BACKENDS as BACKEND_NAMES
+
+    assert tuple(PROVIDERS) == ATTENTION_PROVIDERS and tuple(BACKENDS) == BACKEND_NAMES
+    with pytest.raises(RuntimeError, match="change both"):
+        check_registry({"sdpa": None}, ("sdpa", "flex"), "attention provider")

@@ -19,7 +19,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator,
                       model_validator)
 
-from adaattn.attention.providers import PROVIDERS
+from adaattn.names import ATTENTION_PROVIDERS as PROVIDERS
+from adaattn.names import BACKENDS
 
 DType = Literal["bf16", "fp16", "fp32"]
 Mode = Literal["fwd", "fwd_bwd"]
@@ -209,15 +210,11 @@ MODULE_PROVIDERS = ("mha", "standard", "adaattn", "adaattn_auto", "adaattn_noopt
 
 
 def _module_provider_names() -> tuple[str, ...]:
-    from adaattn.attention.kernel_manager import BACKENDS  # lazy: the manager imports the layers
-
     return (*MODULE_PROVIDERS, *(f"direct:{b}" for b in BACKENDS))
 
 
 def _backend_names() -> tuple[str, ...]:
-    from adaattn.attention.kernel_manager import BACKENDS
-
-    return tuple(BACKENDS)
+    return BACKENDS
 
 
 def _check_names(v: list[str], allowed: tuple[str, ...], what: str) -> list[str]:

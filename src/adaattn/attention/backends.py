@@ -23,6 +23,8 @@ from adaattn.attention.chunked import chunked_attention
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.providers import PROVIDERS
 from adaattn.layers.attention import _expand_kv
+from adaattn.names import BACKENDS as BACKEND_NAMES
+from adaattn.names import check_registry
 
 MASK_KINDS = ("none", "causal", "mask")
 
@@ -247,6 +249,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("chunked", _chunked, _needs()),
     Backend("math", _math, _needs()),
 ]}
+check_registry(BACKENDS, BACKEND_NAMES, "kernel manager backend")  # params.yaml's names (config.py)
 FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xformers", "sdpa_efficient"})
 
 

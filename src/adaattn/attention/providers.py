@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from adaattn.errors import Unsupported
+from adaattn.names import ATTENTION_PROVIDERS, check_registry
 
 AttnFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -298,4 +299,5 @@ PROVIDERS: dict[str, Provider] = {
     ),
 }
 
+check_registry(PROVIDERS, ATTENTION_PROVIDERS, "attention provider")  # params.yaml's names (config.py)
 BASELINE = "sdpa"

@@ -17,13 +17,13 @@ for the values, not for the softmax):
   is the more accurate of the two where keys vary within a segment, but it pays an r x r
   pseudo-inverse (48 r^3 flops per head): that solve bounds the landmarks at which it pays. Without
   autograd, on a device the Triton kernels run on, the forward is four fused launches up to 128
-  landmarks, the r x r solve as batched matmuls beyond (``nystrom_triton``; ``nystrom_path`` says
+  landmarks, the r x r solve as batched matmuls beyond (``kernels.nystrom``; ``nystrom_path`` says
   which implementation runs and why).
 - ``pooled``: the keys and values projected onto their segment means, a fixed Linformer
   projection (E = F = segment averaging): softmax(Q K~^T + log n) V~, n the segments' sizes (each
   mean stands for its n keys). No solve: one attention of the L queries over r keys (SDPA),
   O(L r D), differentiable; a forward without autograd on a device the Triton kernels run on, with
-  S a multiple of r, is two fused launches (``nystrom_triton.pooled_forward``; ``pooled_path`` says
+  S a multiple of r, is two fused launches (``kernels.nystrom.pooled_forward``; ``pooled_path`` says
   which runs). Exact where the keys within each segment are equal (the values need not be); where
   they vary, every key of a segment gets its mean's weight, so it errs more than Nyström on the
   same landmarks.
@@ -118,7 +118,7 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float |
     g = Hq // Hkv
     rank = min(rank, L, S)
     if nystrom_path(q, k, v, rank) == "triton":
-        from adaattn.attention.nystrom_triton import nystrom_forward
+        from adaattn.kernels.nystrom import nystrom_forward
 
         return nystrom_forward(q, k, v, rank, scale, pinv_iters, rows=rows)
     ql = _segment_means(q, rank)  # (B, Hq, r, D) fp32
@@ -139,14 +139,14 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float |
 
 def nystrom_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
     """Which implementation ``nystrom_attention`` runs for these inputs: "triton" (four fused
-    launches, forward only: ``nystrom_triton``) or "torch: <why not triton>" (differentiable)."""
+    launches, forward only: ``kernels.nystrom``) or "torch: <why not triton>" (differentiable)."""
     why = _triton_why_not(q, k, v, min(rank, q.shape[2], k.shape[2]))
     return "triton" if why is None else f"torch: {why}"
 
 
 def pooled_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
     """Which implementation ``pooled_attention`` runs for these inputs: "triton" (two fused launches,
-    forward only: ``nystrom_triton.pooled_forward``) or "torch: <why not triton>" (differentiable)."""
+    forward only: ``kernels.nystrom.pooled_forward``) or "torch: <why not triton>" (differentiable)."""
     rank = min(rank, k.shape[2])
     why = _triton_why_not(q, k, v, rank)
     if why is None and k.shape[2] % rank:
@@ -165,7 +165,7 @@ def _triton_why_not(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str | None:
         return get_kernel_status()['reason'] or f"Triton kernels cannot run on {q.device.type}"
     if needs_grad(q, k, v):
         return "autograd needs the graph (the Triton path is forward only)"
-    from adaattn.attention.nystrom_triton import supported
+    from adaattn.kernels.nystrom import supported
 
     return supported(q, rank)
 
@@ -176,7 +176,7 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | 
     fp32 or wider, rounded to the input dtype), n the segments' sizes (a bias only where they differ); no mask.
     q (B, Hq, L, D), k and v (B, Hkv, S, D); GQA by repeating the r means of a kv head (a small copy).
     One SDPA call, differentiable. Without autograd, on a device the Triton kernels run on, with S a
-    multiple of ``rank``: two fused launches instead (``nystrom_triton.pooled_forward``: SDPA's host
+    multiple of ``rank``: two fused launches instead (``kernels.nystrom.pooled_forward``: SDPA's host
     time alone is most of a call at the lengths where this path pays; ``pooled_path`` says which
     runs). ``rows``: only these query rows of the output."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -185,7 +185,7 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | 
     Hq, Hkv, S = q.shape[1], k.shape[1], k.shape[2]
     rank = min(rank, S)
     if pooled_path(q, k, v, rank) == "triton":
-        from adaattn.attention.nystrom_triton import pooled_forward
+        from adaattn.kernels.nystrom import pooled_forward
 
         return pooled_forward(q, k, v, rank, scale, rows=rows)
     bias = None

@@ -1,4 +1,4 @@
-"""The fused Nyström and pooled forwards (attention/nystrom_triton.py) against the PyTorch paths, and
+"""The fused Nyström and pooled forwards (kernels/nystrom.py) against the PyTorch paths, and
 which path runs.
 
 On a CPU machine the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import adaattn.attention.rank as rank_mod
-from adaattn.attention.nystrom_triton import (
+from adaattn.kernels.nystrom import (
     MAX_FUSED_SOLVE_RANK,
     MAX_HEAD_DIM,
     MAX_RANK,
@@ -161,7 +161,7 @@ def test_launch_plan_integer_helpers_match_triton():
     time): they agree with triton's on every size up to 4096."""
     import triton
 
-    from adaattn.attention.nystrom_triton import _block, _cdiv
+    from adaattn.kernels.nystrom import _block, _cdiv
 
     assert all(_block(n) == max(16, triton.next_power_of_2(n)) for n in range(1, 4097))
     assert all(_cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 600) for b in (1, 7, 16, 64, 128))
@@ -173,7 +173,7 @@ def test_repeat_calls_launch_the_recorded_kernels_and_equal_launcher_calls():
     calls through ``Launcher``, over the layouts, alignments, dtypes and paths whose
     specialisation differs (a view at an odd element offset, sequence-first strides, query rows,
     the batched solve)."""
-    import adaattn.attention.nystrom_triton as nt
+    import adaattn.kernels.nystrom as nt
     from adaattn.kernels.runtime import set_direct_launch
 
     base = torch.randn(1, 4, 777 * 32 + 1, device="cuda", dtype=torch.bfloat16)
@@ -198,7 +198,7 @@ def test_repeat_calls_launch_the_recorded_kernels_and_equal_launcher_calls():
 
 def test_batched_solve_is_not_graphed_off_cuda():
     """In the interpreter and on a CPU the batched solve runs launch by launch on a fresh workspace."""
-    import adaattn.attention.nystrom_triton as nt
+    import adaattn.kernels.nystrom as nt
 
     assert nt._SolveGraph.get((1, 2, 2, 200, 24, 0.2, 6), 1000, torch.device("cpu"), lambda ws: None) is None
     q, k, v = _qkv(1, 2, 2, 64, 300, 24, torch.float32)
@@ -213,7 +213,7 @@ def test_graphed_batched_solve_equals_launch_by_launch(monkeypatch):
     op, call after call with new inputs in the persistent workspace, GQA and query rows too; another
     stream gets its own graph; the cache keeps ``MAX_SOLVE_GRAPHS`` (least recently used out); a
     caller capturing its own graph gets the launches in it, not a graph of ours."""
-    import adaattn.attention.nystrom_triton as nt
+    import adaattn.kernels.nystrom as nt
 
     nt._SOLVE_GRAPHS.clear()
     r = MAX_FUSED_SOLVE_RANK + 72
@@ -327,7 +327,7 @@ def test_pooled_plan_covers_every_landmark(D, rank):
         assert p.block_r >= rank
     else:  # whole blocks of the padded rank, more than one
         assert _block(rank) % p.block_r == 0 and p.block_r < _block(rank)
-    assert p.one_block == (rank <= (64 if D <= 64 else 32))  # the rule the sweep chose (nystrom_triton)
+    assert p.one_block == (rank <= (64 if D <= 64 else 32))  # the rule the sweep chose (kernels.nystrom)
 
 
 def test_fused_pooled_equals_float64_on_its_own_means():
