@@ -18,6 +18,7 @@ from adaattn_experiments.side_by_side import LEFT_ROUNDS
 
 MAIN = ["mha", "standard", "adaattn", "adaattn_auto", "adaattn_noopt"]
 FIGURE_METRICS = ["time_ms", "kernel_ms", "peak_mem_mb"]  # the scaling figures' rows (kernel_ms: CUDA only)
+FIGURE_LABELS = {"time_ms": "ms per call", "kernel_ms": "kernel ms per call", "peak_mem_mb": "peak MiB"}
 def render(study: str, df: pd.DataFrame, out_dir: Path) -> list[Section]:
     runs = df[~df["case_id"].isin(["machine"]) & ~df["case_id"].str.startswith("manager/")].copy()
     if study == "cpu_baseline":
@@ -130,10 +131,17 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
             f = in_sweep(frame, sweep)
             if f.empty:
                 continue
-            grid = sns.relplot(data=f, x=x, y="value", hue="provider", hue_order=MAIN, row="metric", col="mode",
-                               row_order=[m for m in FIGURE_METRICS if m in set(f["metric"])], kind="line",
-                               marker="o", height=2.6, aspect=1.4, facet_kws={"sharey": False}, errorbar=None)
+            rows = [m for m in FIGURE_METRICS if m in set(f["metric"])]
+            grid = sns.relplot(data=f, x=x, y="value", hue="provider",
+                               hue_order=[p for p in MAIN if p in set(f["provider"])], row="metric", col="mode",
+                               row_order=rows, kind="line", marker="o", height=2.6, aspect=1.4,
+                               facet_kws={"sharey": False}, errorbar=None)
             grid.set(xscale="log", yscale="log")
+            grid.set_titles("{col_name}")
+            for metric, axes in zip(rows, grid.axes, strict=True):
+                axes[0].set_ylabel(FIGURE_LABELS[metric])
+            grid.set_xlabels({"seq_len": "sequence length", "batch": "batch"}[x])
+            grid.figure.suptitle(f"G2-B {sweep} sweep on {f['hardware'].iloc[0]} ({target})", y=1.01)
             name = f"g2_b_{sweep}_{target}.png"
             save_figure(grid.figure, out_dir / name)
             parts.append(f"![{sweep} sweep, {target}]({out_dir.name}/{name})\n")

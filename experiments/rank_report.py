@@ -41,10 +41,15 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     err["method"] = err["provider"].map(lambda p: low_rank_of(p).method)
     err["landmarks"] = err["provider"].map(lambda p: low_rank_of(p).rank)
     for target, f in err.groupby("target"):
-        grid = sns.relplot(data=f, x="landmarks", y="value", hue="seq_len", style="method", col="inputs", kind="line",
-                           marker="o", height=2.6, aspect=1.1, palette="viridis", errorbar=None, col_wrap=3)
+        lengths = sorted(f["seq_len"].dropna().astype(int).unique())  # a legend of the lengths measured
+        f = f.assign(S=f["seq_len"].astype(int).astype(str))
+        grid = sns.relplot(data=f, x="landmarks", y="value", hue="S", hue_order=[str(n) for n in lengths],
+                           style="method", col="inputs", kind="line", marker="o", height=2.6, aspect=1.1,
+                           palette="viridis", errorbar=None, col_wrap=3)
         grid.set(xscale="log", yscale="log")
         grid.set_axis_labels("landmarks (segments)", "relative L2 error vs float64")
+        grid.figure.suptitle(f"G2-C1 low-rank error on {f['hardware'].iloc[0]} ({target}); hue: sequence length",
+                             y=1.01)
         name = f"g2_c1_error_{target}.png"
         save_figure(grid.figure, out_dir / name)
         parts.append(f"![error by rank, {target}]({out_dir.name}/{name})\n")
