@@ -28,6 +28,16 @@ SMALL_CPU = {
 }
 
 
+# merged into the G2 sections' CPU profiles: bench.cpu changes, so every CPU stage runs again (suite time)
+SMALL_G2_CPU = {
+    "G2-T1": {"points": [[1, 32]], "embed_dim": 64, "heads": 4},
+    "G2-T3": {"seq_len": 32, "embed_dim": 64, "inputs": ["normal"], "modes": ["fwd"]},
+    "G2-B": {"embed_dim": 64, "batch_sweep_seq_len": 32, "batches": [1], "seq_lens": [32], "modes": ["fwd"]},
+    "G2-C1": {"seq_lens": [128], "ranks": [8, 16], "true_ranks": [8], "exact_providers": ["sdpa"],
+              "cluster_layouts": ["contiguous"], "random_inputs": False, "real_layers": [0], "real_seq_lens": [128]},
+}
+
+
 def _tree_files(repo: Path) -> list[str]:
     out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=repo,
                          capture_output=True, text=True, check=True).stdout
@@ -64,6 +74,8 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     assert committed, "the repository commits results for at least one GPU target"
     for section, small in SMALL_CPU.items():
         params[section]["cpu"] = small
+    for section, small in SMALL_G2_CPU.items():
+        params[section]["cpu"].update(small)
     params["bench"]["cpu"] = {"warmup": 1, "repeats": 2}
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
