@@ -34,7 +34,7 @@ SMALL_G2_CPU = {
     "G2-T3": {"seq_len": 32, "embed_dim": 64, "inputs": ["normal"], "modes": ["fwd"]},
     "G2-B": {"embed_dim": 64, "batch_sweep_seq_len": 32, "batches": [1], "seq_lens": [32], "modes": ["fwd"]},
     "G2-C1": {"seq_lens": [128], "ranks": [8, 16], "true_ranks": [8], "exact_providers": ["sdpa"],
-              "cluster_layouts": ["contiguous"], "random_inputs": False, "real_layers": [0], "real_seq_lens": [128]},
+              "cluster_layouts": ["contiguous"], "random_inputs": False},
 }
 
 
