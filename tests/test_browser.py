@@ -66,7 +66,9 @@ def test_mlflow_ui_lists_study_runs(repo, tmp_path):
         # what the server holds, read back over HTTP: the report, the verdicts (as data and counted in the parent's
         # tags) and the guide's figures; integer params that filter as integers; no "nan." key; measurement times
         names = {a.path for a in client.list_artifacts(newest_parent.info.run_id)}
-        assert {"attention_backends.md", "verdicts.csv", "guide_figures.json", "figures"} <= names, names
+        assert {"attention_backends.md", "verdicts", "guide_figures.json", "figures"} <= names, names
+        assert [a.path for a in client.list_artifacts(newest_parent.info.run_id, "verdicts")] == [
+            "verdicts/attention_backends.csv"]
         assert any(k.startswith("verdicts.") for k in newest_parent.data.tags), newest_parent.data.tags
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == newest_parent.info.run_id]
         seq = children[0].data.params["seq_len"]

@@ -24,7 +24,7 @@ from adaattn.bench.results import read_results
 KEY_TAG = "adaattn.key"  # "<study>/<target>" on parent runs
 SHA_TAG = "adaattn.results_sha256"
 FORMAT_TAG = "adaattn.log_format"
-LOG_FORMAT = "3"  # what a run holds: a file logged in another format is logged again
+LOG_FORMAT = "4"  # what a run holds: a file logged in another format is logged again
 
 
 def tracking_uri(root: Path) -> str:
@@ -143,7 +143,7 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
     ids = sorted(df["table_id"].dropna().astype(str).unique())
     client.log_dict(pid, {i: guide_figures()[i] for i in ids if i in guide_figures()}, "guide_figures.json")
     if has_verdicts:
-        client.log_artifact(pid, str(verdicts))
+        client.log_artifact(pid, str(verdicts), artifact_path="verdicts")
         table = pd.read_csv(verdicts)
         mine = table[table["hardware"].astype(str).str.contains(prov.get("hardware", "?"), regex=False)]
         for verdict, n in mine["verdict"].value_counts().items():
