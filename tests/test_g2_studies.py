@@ -345,7 +345,7 @@ def _ratio_rows(case, provider, value, lo, hi, metric="paired_ratio", target="h1
 def test_scaling_goal_is_decided_by_the_medians_confidence_intervals():
     """A shape is above 1.03 where the interval of its median lies above, within where it lies below (against
     every direct backend: the highest bounds), undecided where it spans 1.03; one shape above: the goal
-    does not hold; none above and one undecided: inconclusive; all within: holds."""
+    worse than claimed; none above and one undecided: inconclusive; all within: holds."""
     from adaattn_experiments.ada_modules_report import _goal_table, _paired_goal
 
     above = _ratio_rows("a", "direct:sdpa", 1.06, 1.04, 1.08) + _ratio_rows("a", "direct:math", 0.5, 0.4, 0.6)
