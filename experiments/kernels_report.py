@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
+from adaattn.attention.providers import DTYPES
 from adaattn.report.common import (Section, Verdict, fmt, guide_figures, interval_text, judge, knobs, md_table,
                                    median_interval, save_figure)
 
@@ -18,7 +19,6 @@ PROVIDERS = ["eager", "compile", "liger", "ours", "ours_inplace"]
 OURS = ("ours", "ours_inplace")  # ours_inplace: RoPE rotated in place, as Liger's
 COLORS = dict(zip(PROVIDERS, sns.color_palette("colorblind", len(PROVIDERS)), strict=True))
 GUIDE_NAMES = {"rope": "RoPE", "swiglu": "SwiGLU", "rms_norm": "RMSNorm"}
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 GOAL_RATIO = 0.97  # ours >= 0.97x the best of the peers
 GOAL_COPY = 0.90  # forward >= 90% of copy bandwidth for tensors of 64 MB and more
 
@@ -105,7 +105,7 @@ def _g4_t1(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> Section:
     gb = runs[(runs["table_id"] == "G4-T1") & (runs["metric"] == "gbps") & (runs["status"] == "ok")].copy()
     copy = df[(df["case_id"] == "machine") & (df["metric"] == "copy_gbps")].set_index("target")["value"]
     for target, frame in gb.groupby("target"):
-        size = frame["dtype"].map(DTYPE_BYTES)  # bytes per element, from the dtype measured
+        size = frame["dtype"].map(lambda d: DTYPES[d].itemsize)  # bytes per element, from the dtype measured
         frame = frame.assign(mib=frame["tokens"] * frame["hidden"] * size / 2**20)
         grid = sns.relplot(data=frame, x="mib", y="value", hue="provider",
                            hue_order=[p for p in PROVIDERS if p in set(frame["provider"])], palette=COLORS,
