@@ -30,9 +30,11 @@ SMALL_CPU = {
 
 # merged into the G2 sections' CPU profiles: bench.cpu changes, so every CPU stage runs again (suite time)
 SMALL_G2_CPU = {
-    "G2-T1": {"points": [[1, 32]], "embed_dim": 64, "heads": 4},
+    "G2-T1": {"points": [[1, 32]], "embed_dim": 64, "heads": 4,
+              "side_by_side": {"budget_ms": 200, "min_rounds": 6, "max_rounds": 20}},
     "G2-T3": {"seq_len": 32, "embed_dim": 64, "inputs": ["normal"], "modes": ["fwd"]},
-    "G2-B": {"embed_dim": 64, "batch_sweep_seq_len": 32, "batches": [1], "seq_lens": [32], "modes": ["fwd"]},
+    "G2-B": {"embed_dim": 64, "batch_sweep_seq_len": 32, "batches": [1], "seq_lens": [32], "modes": ["fwd"],
+             "side_by_side": {"budget_ms": 200, "min_rounds": 6, "max_rounds": 20}},
     "G2-C1": {"seq_lens": [128], "ranks": [8, 16], "true_ranks": [8], "exact_providers": ["sdpa"],
               "cluster_layouts": ["contiguous"], "random_inputs": False},
 }

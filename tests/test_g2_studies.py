@@ -37,9 +37,9 @@ def _run(study, params):
     study = study.bind("cpu")
     cases = study.cases(params, params.targets["cpu"])
     h = Harness("cpu", CpuTimer(1, 2), Ceilings(10.0, 1.0, "fp32", 64),
-                **(study.utilization(params, params.targets["cpu"]) if hasattr(study, "utilization") else {}))
+                **study.harness_options(params, params.targets["cpu"]))
     rows = h.run(study, cases)
-    extra = study.extra_rows(params, params.targets["cpu"]) if hasattr(study, "extra_rows") else []
+    extra = study.extra_rows(params, params.targets["cpu"])
     prov = {"target": "cpu", "hardware": "test cpu"}
     return pd.DataFrame([{**r, **prov} for r in rows + extra])
 
@@ -67,7 +67,7 @@ def test_scaling_needs_a_direct_provider_for_every_manager_backend():
     """The 3% goal's oracle is every backend the manager may pick, called directly: a missing one is an
     error naming the key and the missing providers, raised when the cases are built (before any work)."""
     providers = ["mha", "standard", "adaattn", "direct:sdpa", "direct:sdpa_math", "direct:chunked", "direct:math"]
-    from adaattn_experiments.ada_modules import SCALING
+    from adaattn_experiments.scaling import STUDY as SCALING
 
     params, _ = _params(**{"G2-B.cpu.providers": providers})
     with pytest.raises(ValueError, match=r"G2-B\.cpu\.providers must hold .*missing: direct:sdpa_flash$"):
@@ -104,7 +104,7 @@ def test_outlier_inputs_have_the_configured_outliers():
 
 
 def test_module_providers_share_weights_and_match_the_float64_module(tmp_path):
-    from adaattn_experiments.ada_modules import SCALING
+    from adaattn_experiments.scaling import STUDY as SCALING
 
     params, _ = _params(**{"G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 32,
                            "G2-B.cpu.embed_dim": 64, "G2-B.cpu.causal": [False, True]})
@@ -133,7 +133,8 @@ def test_module_providers_share_weights_and_match_the_float64_module(tmp_path):
     assert "adaattn" in set(ok.provider) and (ok.value > 0).all()
     # adaattn's per-round ratio to every direct backend timed beside it
     paired = df[df.metric == "paired_ratio"]
-    timed = ok[ok.provider != "adaattn"].groupby(["case_id", "mode"])["provider"].apply(set)
+    inrounds = side[side.status.isin(["ok", "outpaced"])]  # outpaced: timed in the first rounds only
+    timed = inrounds[inrounds.provider != "adaattn"].groupby(["case_id", "mode"])["provider"].apply(set)
     assert paired.groupby(["case_id", "mode"])["provider"].apply(set).equals(timed)
     assert ((paired.p20 <= paired.value) & (paired.value <= paired.p80) & (paired.value > 0)).all()
     # and its median's 95% confidence bounds, one of each per paired row, around it
@@ -144,9 +145,9 @@ def test_module_providers_share_weights_and_match_the_float64_module(tmp_path):
         assert len(b) == len(paired)
         bounds = bounds.merge(b, on=keys)
     assert ((bounds.low <= bounds.value) & (bounds.value <= bounds.high)).all(), bounds
-    from adaattn_experiments.ada_modules_report import render
+    from adaattn_experiments.scaling_report import render
 
-    g2_b = render("scaling", df, tmp_path)[0]
+    g2_b = render(df, tmp_path)[0]
     claims = [v.claim for v in g2_b.verdicts]
     assert any("time per call, eager" in c for c in claims) and any("first call" in c for c in claims), claims
     assert "### First call of a new signature" in g2_b.markdown and "| eager " in g2_b.markdown
@@ -197,8 +198,8 @@ def test_rank_study_policy_estimators_and_oracle(monkeypatch):
 
 def test_reports_render_from_results(tmp_path):
     """Each G2 report renders with its verdicts from the rows its study writes."""
-    from adaattn_experiments.ada_modules import CPU_BASELINE
-    from adaattn_experiments.ada_modules_report import render as render_modules
+    from adaattn_experiments.cpu_baseline import STUDY as CPU_BASELINE
+    from adaattn_experiments.cpu_baseline_report import render as render_modules
     from adaattn_experiments.precision import STUDY as PRECISION
     from adaattn_experiments.precision_report import render as render_precision
     from adaattn_experiments.rank import STUDY as RANK
@@ -228,7 +229,7 @@ def test_reports_render_from_results(tmp_path):
     assert (side.status == "ok").all() and set(side.provider) == set(params.g2_t1.cpu.providers)
     paired = df[df.metric == "paired_ratio"]
     assert set(paired.provider) == set(params.g2_t1.cpu.providers) - {"adaattn"}
-    (section,) = render_modules("cpu_baseline", df, tmp_path)
+    (section,) = render_modules(df, tmp_path)
     assert " ± " in section.markdown and section.table_id == "G2-T1"
     assert "adaattn / mha, per round" in section.markdown
     mha = paired[paired.provider == "mha"].set_index("case_id")
@@ -237,7 +238,7 @@ def test_reports_render_from_results(tmp_path):
 
 
 def test_g2_t1_is_a_cpu_table():
-    from adaattn_experiments.ada_modules import CPU_BASELINE
+    from adaattn_experiments.cpu_baseline import STUDY as CPU_BASELINE
 
     params, _ = load_params(PARAMS)
     with pytest.raises(ValueError, match="CPU table"):
@@ -320,7 +321,7 @@ def test_rank_goal_reads_side_by_side_times_and_the_solve_floor(tmp_path, monkey
 def test_scaling_goal_per_call_is_the_highest_per_round_ratio():
     """The 3% goal by time per call: adaattn's per-round ratio to each direct backend; the goal's
     ratio at a shape is the highest of them (the fastest backend's), judged against 1.03."""
-    from adaattn_experiments.ada_modules_report import _paired_goal
+    from adaattn_experiments.scaling_report import _paired_goal
 
     def row(case, provider, value):
         return {"target": "h100", "case_id": case, "mode": "fwd", "batch": 1, "seq_len": 512, "metric": "paired_ratio",
@@ -346,7 +347,7 @@ def test_scaling_goal_is_decided_by_the_medians_confidence_intervals():
     """A shape is above 1.03 where the interval of its median lies above, within where it lies below (against
     every direct backend: the highest bounds), undecided where it spans 1.03; one shape above: the goal
     worse than claimed; none above and one undecided: inconclusive; all within: holds."""
-    from adaattn_experiments.ada_modules_report import _goal_table, _paired_goal
+    from adaattn_experiments.scaling_report import _goal_table, _paired_goal
 
     above = _ratio_rows("a", "direct:sdpa", 1.06, 1.04, 1.08) + _ratio_rows("a", "direct:math", 0.5, 0.4, 0.6)
     # b's median is highest against sdpa, but the widest bounds are cudnn's: it spans 1.03
@@ -369,7 +370,7 @@ def test_eager_time_per_call_is_judged_at_gpu_bound_shapes_kernel_and_compiled_t
     """On a GPU, the eager time-per-call goal counts a shape only where the fastest direct call's kernel time is
     at least 3x its host time (from the sweep's rows); a host-bound shape above the bound is reported, without a
     goal. Kernel time and compiled time per call count every shape."""
-    from adaattn_experiments.ada_modules_report import _goal_table, gpu_bound
+    from adaattn_experiments.scaling_report import _goal_table, gpu_bound
 
     def sweep(case, kernel, host):
         base = {"target": "h100", "hardware": "H100", "case_id": case, "mode": "fwd", "batch": 1, "seq_len": 512,
@@ -395,7 +396,7 @@ def test_eager_time_per_call_is_judged_at_gpu_bound_shapes_kernel_and_compiled_t
 
 
 def test_first_calls_and_the_stack_check_are_judged_on_their_bounds():
-    from adaattn_experiments.ada_modules_report import _first_calls, _stack
+    from adaattn_experiments.scaling_report import _first_calls, _stack
 
     base = {"target": "h100", "hardware": "H100", "mode": "fwd", "batch": 1, "seq_len": 512, "status": "ok"}
     rows = [base | {"case_id": c, "provider": p, "metric": m, "value": v}
@@ -418,18 +419,17 @@ def test_first_calls_and_the_stack_check_are_judged_on_their_bounds():
 def test_scaling_compiles_the_goal_and_the_stack_where_set(tmp_path, monkeypatch):
     """With compiled_backends and a stack set (here on the CPU, inductor's default mode), the compiled goal's
     providers and the stack's take side-by-side rounds of their own, and the report judges both."""
-    from adaattn_experiments.ada_modules import SCALING, ModuleStudy
-    from adaattn_experiments.ada_modules_report import render
+    from adaattn_experiments.scaling import STUDY as SCALING
+    from adaattn_experiments.scaling_report import render
 
-    monkeypatch.setattr(ModuleStudy, "side_by_side_rounds", {("G2-B", "cpu"): (3, 4)})
-    monkeypatch.setattr(ModuleStudy, "stack_rounds", (3, 4))
-    params, _ = _params(**{"G2-B.cpu.seq_lens": [32], "G2-B.cpu.batches": [1], "G2-B.cpu.batch_sweep_seq_len": 32,
+    params, _ = _params(**{"G2-B.cpu.side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 4},"G2-B.cpu.seq_lens": [32], "G2-B.cpu.batches": [1], "G2-B.cpu.batch_sweep_seq_len": 32,
                            "G2-B.cpu.embed_dim": 32, "G2-B.cpu.modes": ["fwd_bwd"],
                            "G2-B.cpu.providers": ["adaattn", "direct:sdpa", "direct:sdpa_flash", "direct:sdpa_math",
                                                   "direct:math"],
                            "G2-B.cpu.compiled_backends": ["sdpa", "xformers"], "G2-B.cpu.compile_mode": "default",
                            "G2-B.cpu.stack": {"layers": 2, "embed_dim": 32, "heads": 4, "mlp_ratio": 2, "batch": 1,
-                                              "seq_len": 16, "dtype": "fp32"}})
+                                              "seq_len": 16, "dtype": "fp32",
+                                              "side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 4}}})
     df = _run(SCALING, params)
     comp = df[df.metric == "compiled_side_by_side_ms"]
     assert set(comp.provider) == {"compiled:adaattn", "compiled:direct:sdpa"}  # xformers: not here, not traced
@@ -437,7 +437,7 @@ def test_scaling_compiles_the_goal_and_the_stack_where_set(tmp_path, monkeypatch
     assert set(df[df.metric == "compiled_paired_ratio"].provider) == {"compiled:direct:sdpa"}
     stack = df[df.metric == "stack_side_by_side_ms"]
     assert set(stack.provider) == {"stack:adaattn", "stack:sdpa"} and (stack.status == "ok").all()
-    g2_b = render("scaling", df, tmp_path)[0]
+    g2_b = render(df, tmp_path)[0]
     claims = [v.claim for v in g2_b.verdicts]
     assert any("compiled whole" in c for c in claims) and any(c.startswith("stack check") for c in claims), claims
 
@@ -446,9 +446,9 @@ def test_scaling_takes_the_kernel_time_goal(tmp_path, monkeypatch):
     """Where the check is set (the GPU; here the CPU, with the kernel trace replaced: it needs CUDA), adaattn and
     every direct backend get one trace per shape and mode: a goal_kernel_ms row each, adaattn's naming the backend
     its manager ranked first, and adaattn's over each backend's round by round with its median's interval."""
-    import adaattn_experiments.ada_modules as mod
-    from adaattn_experiments.ada_modules import SCALING, ModuleStudy
-    from adaattn_experiments.ada_modules_report import render
+    import adaattn_experiments.scaling as mod
+    from adaattn_experiments.scaling import STUDY as SCALING
+    from adaattn_experiments.scaling_report import render
 
     traced = []
 
@@ -459,9 +459,9 @@ def test_scaling_takes_the_kernel_time_goal(tmp_path, monkeypatch):
         return KernelTrace([[1.0 + i] * calls for i in range(len(fns))])
 
     monkeypatch.setattr(mod, "kernel_times_ms", fake_trace)
-    monkeypatch.setattr(ModuleStudy, "kernel_goal", frozenset({("G2-B", "cpu")}))
-    monkeypatch.setattr(ModuleStudy, "side_by_side_rounds", {("G2-B", "cpu"): (3, 4)})
-    params, _ = _params(**{"G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 32,
+    params, _ = _params(**{"G2-B.cpu.goal_kernel_calls": 8,
+                           "G2-B.cpu.side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 4},
+                           "G2-B.cpu.seq_lens": [64], "G2-B.cpu.batches": [2], "G2-B.cpu.batch_sweep_seq_len": 32,
                            "G2-B.cpu.embed_dim": 64})
     df = _run(SCALING, params)
     goal = df[df.metric == "goal_kernel_ms"]
@@ -479,7 +479,7 @@ def test_scaling_takes_the_kernel_time_goal(tmp_path, monkeypatch):
             r = g[g.provider == p].set_index("metric").value
             assert r["goal_kernel_paired_ratio"] == pytest.approx(1 / (1 + i))
             assert r["goal_kernel_paired_ratio_ci_low"] == r["goal_kernel_paired_ratio_ci_high"] == pytest.approx(1 / (1 + i))
-    g2_b = render("scaling", df, tmp_path)[0]
+    g2_b = render(df, tmp_path)[0]
     (kernel,) = [v for v in g2_b.verdicts if "kernel time" in v.claim]
     assert kernel.verdict == "holds" and kernel.measured.startswith("0 of 4 shapes x modes above 1.03")
 
@@ -487,26 +487,23 @@ def test_scaling_takes_the_kernel_time_goal(tmp_path, monkeypatch):
 def test_goal_is_decided_against_the_backends_still_in_the_rounds():
     """A direct backend that left the side-by-side rounds (another faster than it with confidence) is not the
     fastest: its wide interval from those few rounds does not decide the goal. Here adaattn over the one that
-    left spans 1.03 (40 rounds), over the one still in lies below it: the shape holds; with the reason gone,
-    the same rows leave it undecided."""
-    from adaattn_experiments.ada_modules_report import _goal_table, _paired_goal
-    from adaattn_experiments.side_by_side import why_left
+    left spans 1.03 (40 rounds), over the one still in lies below it: the shape holds; with the status ``ok``
+    instead of ``outpaced``, the same rows leave it undecided."""
+    from adaattn_experiments.scaling_report import _goal_table, _paired_goal
 
-    base = {"target": "h100", "case_id": "c", "mode": "fwd_bwd", "batch": 4, "seq_len": 1024, "status": "ok",
-            "p20": 0.9, "p80": 1.1, "reason": ""}
-    left = why_left(40, "direct:sdpa_efficient")
+    base = {"target": "h100", "case_id": "c", "mode": "fwd_bwd", "batch": 4, "seq_len": 1024, "p20": 0.9, "p80": 1.1}
     rows = []
-    for provider, (v, lo, hi), reason in (("direct:sdpa", (1.021, 0.900, 1.050), left),
-                                          ("direct:sdpa_efficient", (1.012, 1.006, 1.018), "")):
-        rows += [base | {"metric": "paired_ratio", "provider": provider, "value": v, "reason": reason},
-                 base | {"metric": "paired_ratio_ci_low", "provider": provider, "value": lo, "reason": reason},
-                 base | {"metric": "paired_ratio_ci_high", "provider": provider, "value": hi, "reason": reason}]
+    for provider, (v, lo, hi), status in (("direct:sdpa", (1.021, 0.900, 1.050), "outpaced"),
+                                          ("direct:sdpa_efficient", (1.012, 1.006, 1.018), "ok")):
+        rows += [base | {"metric": "paired_ratio", "provider": provider, "value": v, "status": status},
+                 base | {"metric": "paired_ratio_ci_low", "provider": provider, "value": lo, "status": status},
+                 base | {"metric": "paired_ratio_ci_high", "provider": provider, "value": hi, "status": status}]
     runs = pd.DataFrame(rows)
     (goal,) = _paired_goal(runs).to_dict("records")
     assert goal["vs"] == "direct:sdpa_efficient" and (goal["ci_low"], goal["ci_high"]) == (1.006, 1.018)
     _, (v,) = _goal_table(runs.assign(hardware="H100"), {})
     assert v.verdict == "holds"
-    _, (v,) = _goal_table(runs.assign(hardware="H100", reason=""), {})  # both counted: 1.050 spans 1.03
+    _, (v,) = _goal_table(runs.assign(hardware="H100", status="ok"), {})  # both counted: 1.050 spans 1.03
     assert v.verdict == "inconclusive"
 
 
@@ -514,7 +511,7 @@ def test_g2_t2_speed_is_read_on_time_per_call_and_kernel_time():
     """G2-T2's speed line (standard over adaattn, 2-4x above 1024 tokens): one verdict per basis; where the
     sweep's time per call and the kernel time read different verdicts the claim is inconclusive, and a target
     without kernel times (a CPU) is read on time per call alone."""
-    from adaattn_experiments.ada_modules_report import _g2_t2
+    from adaattn_experiments.scaling_report import _g2_t2
 
     def pivot(target, hw, speeds):  # seq_len -> standard / adaattn
         return pd.DataFrame([{"target": target, "hardware": hw, "case_id": f"s{s}", "sweep": "seq", "batch": 1,
@@ -539,7 +536,7 @@ def test_g2_t2_speed_is_read_on_time_per_call_and_kernel_time():
 
 def test_a_point_both_sweeps_share_is_in_both():
     """Measured once (tagged with the batch sweep), B=1 S=1024 belongs to the sequence sweep at B=1 too."""
-    from adaattn_experiments.ada_modules_report import in_sweep
+    from adaattn_experiments.scaling_report import in_sweep
 
     rows = [("batch", 1, 1024), ("batch", 4, 1024), ("seq", 1, 512), ("seq", 1, 2048)]
     frame = pd.DataFrame([{"target": "h100", "sweep": w, "batch": b, "seq_len": s} for w, b, s in rows])

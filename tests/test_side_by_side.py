@@ -1,4 +1,4 @@
-"""Side-by-side timing (``adaattn.bench.rounds`` and the rows of ``experiments/side_by_side.py``): rounds are
+"""Side-by-side timing (``adaattn.bench.rounds`` and its rows, ``adaattn.bench.side_by_side``): rounds are
 shuffled permutations, the calls really interleave, a mode's call is what the harness times, and slow or
 failing providers become status rows without stopping the others."""
 
@@ -13,7 +13,14 @@ import torch
 from adaattn.bench.harness import Workload
 from adaattn.bench.timing import quantiles
 from adaattn.bench.rounds import interleaved_samples_ms, median_ci, outpaced, round_ratios, shuffled_rounds
-from adaattn_experiments.side_by_side import CONTENDER, call_of, side_by_side_rows
+from adaattn.bench.side_by_side import call_of, side_by_side_rows
+from adaattn.config import Rounds
+
+CONTENDER = Rounds(budget_ms=1, min_rounds=1, max_rounds=1).contender  # the default
+
+
+def R(budget_ms: float, min_rounds: int, max_rounds: int) -> Rounds:
+    return Rounds(budget_ms=budget_ms, min_rounds=min_rounds, max_rounds=max_rounds)
 
 
 def test_rounds_are_reproducible_shuffled_permutations():
@@ -64,14 +71,13 @@ def test_slow_providers_are_pruned_unless_kept_and_failures_are_rows(clock):
     # the fastest rival, not against it
     builders = {"fast": lambda: _sleeper(clock, 10.0), "slow": lambda: _sleeper(clock, CONTENDER * 40.0), "broken": _fails,
                 "kept": lambda: _sleeper(clock, 0.0)}
-    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=20, min_rounds=3,
-                             max_rounds=5)
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(20, 3, 5))
     status = {r["provider"]: r["status"] for r in rows}
     assert status == {"fast": "ok", "slow": "pruned", "broken": "error", "kept": "ok"}
     by = {r["provider"]: r for r in rows}
     assert "backend missing here" in by["broken"]["reason"] and "x the fastest" in by["slow"]["reason"]
     assert by["kept"]["value"] < by["fast"]["value"] and by["fast"]["metric"] == "side_by_side_ms"
-    assert "3 rounds" in by["fast"]["unit"]  # the budget (20 ms) fits fewer rounds than the minimum
+    assert by["fast"]["samples"] == 3 and by["fast"]["unit"] == "ms"  # the budget (20 ms) fits fewer than the minimum
 
 
 def test_round_ratios_cancel_a_drift_between_rounds(clock):
@@ -98,22 +104,19 @@ def test_round_ratios_cancel_a_drift_between_rounds(clock):
 def test_paired_rows_name_the_other_provider_and_need_a_kept_provider(clock):
     base = {"table_id": "T", "case_id": "c", "kernel": ""}
     builders = {"kept": lambda: _sleeper(clock, 2.0), "rival": lambda: _sleeper(clock, 1.0)}
-    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=5,
-                             max_rounds=5, paired="kept")
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(10, 5, 5), paired="kept")
     (pair,) = [r for r in rows if r["metric"] == "paired_ratio"]
-    assert pair["provider"] == "rival" and 1.5 < pair["value"] < 2.5 and "kept's time over" in pair["unit"]
+    assert pair["provider"] == "rival" and 1.5 < pair["value"] < 2.5 and pair["unit"] == "ratio (kept / provider)"
     # its median's confidence bounds: from the same 5 rounds, too few for 95% (5 or fewer: unbounded)
     ci = {r["metric"]: r for r in rows if r["metric"].startswith("paired_ratio_ci_")}
     assert set(ci) == {"paired_ratio_ci_low", "paired_ratio_ci_high"}
     assert all(r["provider"] == "rival" for r in ci.values())
     assert ci["paired_ratio_ci_low"]["value"] == -math.inf and ci["paired_ratio_ci_high"]["value"] == math.inf
-    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=12,
-                             max_rounds=12, paired="kept")
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(10, 12, 12), paired="kept")
     by = {r["metric"]: r["value"] for r in rows if r["provider"] == "rival"}
     assert 1 < by["paired_ratio_ci_low"] <= by["paired_ratio"] <= by["paired_ratio_ci_high"] < 3
     with pytest.raises(ValueError, match="must be one of keep"):
-        side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=1,
-                          max_rounds=1, paired="rival")
+        side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(10, 1, 1), paired="rival")
 
 
 def test_median_ci_is_the_binomial_order_statistics_and_covers_the_median():
@@ -145,11 +148,11 @@ def test_outpaced_names_the_providers_another_beats_with_confidence():
 def test_rivals_outpaced_in_the_first_rounds_leave_and_the_rest_take_the_budget(clock):
     base = {"table_id": "T", "case_id": "c", "kernel": ""}
     builders = {"kept": lambda: _sleeper(clock, 2.0), "fast": lambda: _sleeper(clock, 1.0), "slow": lambda: _sleeper(clock, 2.5)}
-    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=100, min_rounds=8,
-                             max_rounds=40, paired="kept")
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(100, 8, 40), paired="kept")
     times = {r["provider"]: r for r in rows if r["metric"] == "side_by_side_ms"}
-    assert all(r["status"] == "ok" for r in times.values())  # slow is timed (within CONTENDER), then leaves
-    rounds = {p: int(r["unit"].rsplit("; ", 1)[1].split()[0]) for p, r in times.items()}
+    # slow is timed (within CONTENDER), then leaves: its rows say so in the status, not in prose
+    assert {p: r["status"] for p, r in times.items()} == {"kept": "ok", "fast": "ok", "slow": "outpaced"}
+    rounds = {p: r["samples"] for p, r in times.items()}
     assert rounds["slow"] == 8 < rounds["fast"] == rounds["kept"] <= 40
     assert times["slow"]["reason"] == "left the rounds after 8: fast faster with 95% confidence"
     assert times["fast"]["reason"] == times["kept"]["reason"] == ""
@@ -157,16 +160,17 @@ def test_rivals_outpaced_in_the_first_rounds_leave_and_the_rest_take_the_budget(
     # kept and fast (3 ms each)
     assert 8 < rounds["fast"] <= 8 + 22
     pairs = {r["provider"]: r for r in rows if r["metric"] == "paired_ratio"}
-    assert f"over {rounds['fast']} rounds" in pairs["fast"]["unit"] and "over 8 rounds" in pairs["slow"]["unit"]
+    assert pairs["fast"]["samples"] == rounds["fast"] and pairs["slow"]["samples"] == 8
     assert 1.5 < pairs["fast"]["value"] < 2.5 and 0.6 < pairs["slow"]["value"] < 1.0
     # the ratio rows of a rival that left say so (a goal is decided against the rivals still in the rounds)
     bounds = [r for r in rows if r["metric"].startswith("paired_ratio_ci_") and r["provider"] == "slow"]
     assert len(bounds) == 2 and {r["reason"] for r in bounds} == {pairs["slow"]["reason"]} == {times["slow"]["reason"]}
-    assert pairs["fast"]["reason"] == ""
+    assert {r["status"] for r in bounds} == {pairs["slow"]["status"]} == {"outpaced"}
+    assert pairs["fast"]["reason"] == "" and pairs["fast"]["status"] == "ok"
     # the budget fits the first rounds only: nobody leaves, one part
-    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=8,
-                             max_rounds=40)
-    assert {r["unit"].rsplit("; ", 1)[1] for r in rows} == {"8 rounds"} and not any(r["reason"] for r in rows)
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(10, 8, 40))
+    assert {r["samples"] for r in rows} == {8} and not any(r["reason"] for r in rows)
+    assert {r["status"] for r in rows} == {"ok"}
 
 
 def test_an_open_goal_takes_one_more_block_of_rounds(monkeypatch, clock):
@@ -174,11 +178,11 @@ def test_an_open_goal_takes_one_more_block_of_rounds(monkeypatch, clock):
     goal's bound, those providers take one more block of rounds (its own seed), once; the ratios come from
     all the rounds. Scripted turns: kept's ratio to rival alternates 0.9 and 1.1, rival's twin (an exact copy)
     leaves after the first block."""
-    import adaattn_experiments.side_by_side as sbs
+    import adaattn.bench.side_by_side as sbs
 
     blocks = []
 
-    def scripted(calls, device, rounds, seed=sbs.SEED):
+    def scripted(calls, device, rounds, seed=0):
         blocks.append((len(calls), rounds, seed))
         kept = [1.0 + (0.1 if j % 2 else -0.1) for j in range(rounds)]
         return [kept] + [[1.0 + 0.01 * i] * rounds for i in range(len(calls) - 1)]
@@ -189,21 +193,20 @@ def test_an_open_goal_takes_one_more_block_of_rounds(monkeypatch, clock):
 
     def run(settle):
         blocks.clear()
-        rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=60, min_rounds=10,
-                                 max_rounds=25, paired="kept", settle=settle)
+        rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(60, 10, 25), paired="kept", settle=settle)
         return {(r["provider"], r["metric"]): r for r in rows}
 
     rows = run(1.0)  # 0.9-1.1 spans 1.0: a second block, of kept and rival (twin left: rival beats it)
     first, more, again = blocks
-    assert first[:2] == (3, 10) and more[0] == again[0] == 2 and again[2] == sbs.SEED + 2
+    assert first[:2] == (3, 10) and more[0] == again[0] == 2 and again[2] == 2  # seed + 2
     n = 10 + more[1] + again[1]
-    unit = rows[("rival", "side_by_side_ms")]["unit"]
-    assert f"; {n} rounds ({again[1]} of them a second block" in unit and "spanned 1)" in unit
-    assert rows[("kept", "side_by_side_ms")]["unit"] == unit
-    assert rows[("twin", "side_by_side_ms")]["unit"].endswith("; 10 rounds")
-    assert f"over {n} rounds" in rows[("rival", "paired_ratio")]["unit"]
+    rival = rows[("rival", "side_by_side_ms")]
+    assert rival["samples"] == n and rival["reason"].startswith(f"{again[1]} of the rounds a second block")
+    assert "spanned 1" in rival["reason"] and rows[("kept", "side_by_side_ms")]["reason"] == rival["reason"]
+    twin = rows[("twin", "side_by_side_ms")]
+    assert twin["samples"] == 10 and twin["status"] == "outpaced"
+    assert rows[("rival", "paired_ratio")]["samples"] == n
     rows = run(1.5)  # the interval lies below 1.5: no second block
-    assert len(blocks) == 2 and "second block" not in rows[("rival", "side_by_side_ms")]["unit"]
+    assert len(blocks) == 2 and rows[("rival", "side_by_side_ms")]["reason"] == ""
     with pytest.raises(ValueError, match="settle needs a paired provider"):
-        side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], budget_ms=10, min_rounds=1,
-                          max_rounds=1, settle=1.03)
+        side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(10, 1, 1), settle=1.03)

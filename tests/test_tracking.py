@@ -45,6 +45,12 @@ def test_logging_is_idempotent_and_replaces_remeasured_targets(repo, tmp_path, c
     child = next(r for r in after if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
                  and r.data.params.get("provider") == "sdpa_cudnn")
     assert child.data.tags["status.fwd"] == "unavailable" and "no cpu implementation" in child.data.tags["reason.fwd"]
+    # a second target's parent: the first page of the runs table (newest first) holds every parent
+    shutil.copy(repo / "results/attention_backends/h100.csv", tmp_path / "h100.csv")
+    log_results_file(client, "attention_backends", tmp_path / "h100.csv", CONFIG, [])
+    exp = client.get_experiment_by_name("attention_backends")
+    top = client.search_runs([exp.experiment_id], max_results=2, order_by=["attributes.start_time DESC"])
+    assert {r.data.tags.get(KEY_TAG) for r in top} == {"attention_backends/cpu", "attention_backends/h100"}
 
 
 def test_runs_hold_integer_params_mode_keys_measurement_time_figures_and_the_report(repo, tmp_path, client):

@@ -1,6 +1,6 @@
 """The ``adaattn`` command line, built around an explicit registry of studies.
 
-``src/`` never imports ``experiments/``: the registry is passed in by ``experiments/cli.py``.
+``adaattn`` never imports ``adaattn_experiments``: the registry is passed in by ``adaattn_experiments/cli.py``.
 """
 
 

@@ -189,6 +189,10 @@ class G4T1Sweep(_KernelCommon):
     tokens: Annotated[list[PositiveInt], Field(min_length=1)]
     hidden: Annotated[dict[KernelName, Annotated[list[PositiveInt], Field(min_length=1)]], Field(min_length=1)]
     rope_cache: RopeCache
+    # the kernels study's harness (G4-T2's cases too), CUDA: host time per call (calls back to back, no sync)
+    # and kernel time per call (profiled calls)
+    host_calls: NonNegativeInt = 20
+    kernel_calls: NonNegativeInt = 10
 
 
 class G4T2Section(ByProfile):
@@ -226,6 +230,23 @@ def _check_names(v: list[str], allowed: tuple[str, ...], what: str) -> list[str]
     return v
 
 
+class Rounds(_Section):
+    """Calls side by side (``side_by_side.py``, docs/methods.md): about ``budget_ms`` of calls per group, in
+    ``min_rounds`` to ``max_rounds`` shuffled rounds; a rival slower than ``contender`` x the fastest in
+    warm-up is not timed in them."""
+
+    budget_ms: float = Field(gt=0)
+    min_rounds: PositiveInt
+    max_rounds: PositiveInt
+    contender: float = Field(3.0, gt=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> "Rounds":
+        if self.min_rounds > self.max_rounds:
+            raise ValueError(f"min_rounds={self.min_rounds} must be at most max_rounds={self.max_rounds}")
+        return self
+
+
 class _ModuleCommon(_Section):
     embed_dim: PositiveInt
     heads: PositiveInt
@@ -234,6 +255,11 @@ class _ModuleCommon(_Section):
     providers: Annotated[list[str], Field(min_length=1)]
     # the kernel manager's candidates for adaattn / adaattn_auto; null: the hardware's (what a user gets)
     manager_backends: Annotated[list[str], Field(min_length=1)] | None = None
+    side_by_side: Rounds  # the providers' time per call side by side
+    seed: NonNegativeInt = 0  # the modules' weights (an nn.MultiheadAttention from this seed) and the rounds' order
+    # the harness's CUDA extras per provider: host time (calls back to back, no sync) and kernel time (profiled)
+    host_calls: NonNegativeInt = 20
+    kernel_calls: NonNegativeInt = 10
 
     @field_validator("heads")
     @classmethod
@@ -275,6 +301,7 @@ class StackCheck(_Section):
     batch: PositiveInt
     seq_len: PositiveInt
     dtype: DType
+    side_by_side: Rounds
 
 
 class G2BSweep(_ModuleCommon):
@@ -292,6 +319,8 @@ class G2BSweep(_ModuleCommon):
     compiled_backends: list[str] = []
     compile_mode: Literal["reduce-overhead", "default", "max-autotune-no-cudagraphs"] = "reduce-overhead"
     stack: StackCheck | None = None  # the stack check; null: not taken
+    # the kernel-time goal: rounds of one call of each provider in one profiler trace; 0: not taken (a CPU)
+    goal_kernel_calls: NonNegativeInt = 0
 
     @field_validator("utilization_providers")
     @classmethod
@@ -365,6 +394,11 @@ class G2C1Rank(_Section):
     error_tolerance: float = Field(0.05, gt=0)  # the oracle rank: fewest landmarks with rel_l2 below this
     sample_rows: PositiveInt = 64  # AdaAttention's rank_sample_rows (the policy's sample)
     full_spectrum_max_len: PositiveInt = 4096  # the full-matrix effective rank up to this length
+    energy: float = Field(0.99, gt=0, lt=1)  # the rank estimators: singular values holding this share of the energy
+    # CUDA: the goal's cases timed side by side (exact backends and the goal's landmark counts), and the
+    # summed kernel time of this many profiled calls per provider (0: none)
+    side_by_side: Rounds | None = None
+    kernel_calls: NonNegativeInt = 0
     # real inputs: q, k, v of these all-MiniLM-L6-v2 layers (0-5) over windows of these lengths
     # (word pieces, at most its 512 positions); both empty: none
     real_layers: list[Annotated[int, Field(ge=0, le=5)]] = []
@@ -400,6 +434,11 @@ class Verdicts(_Section):
     first_call_budget_s: float = Field(0.5, gt=0)  # G2-B: a new signature's first call, over the direct one's
     stack_bound: float = Field(1.02, gt=1)  # G2-B: the 12-block stack's step time over SDPA's
     low_rank_speedup: float = Field(2.0, gt=1)  # G2-C1: the low-rank path over the best exact backend
+    low_rank_min_len: PositiveInt = 8192  # G2-C1: ... at S at least this
+    low_rank_landmarks_div: PositiveInt = 16  # G2-C1: ... with at most S / this landmarks
+    gpu_bound: float = Field(3.0, gt=0)  # G2-B: a shape is GPU-bound where the kernel time is this x the host time
+    kernel_peer_ratio: float = Field(0.97, gt=0)  # G4-T1: our kernels at least this x the best peer's speed
+    kernel_copy_fraction: float = Field(0.90, gt=0, le=1)  # G4-T1: forward at least this of copy bandwidth
 
 
 class Params(BaseModel):

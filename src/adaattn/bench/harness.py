@@ -10,7 +10,7 @@ Kernel time (CUDA, ``kernel_calls``) is taken once a case's providers have all b
 workloads are held, and one profiler trace per mode runs their calls interleaved, so that the
 providers' ratios do not depend on the order they run in (a few-us kernel's time was seen to
 move with the provider measured before it). A workload too large to hold beside the others is
-measured alone; the row's unit says which.
+measured alone; the row's reason says which.
 """
 
 from __future__ import annotations
@@ -138,11 +138,12 @@ class Harness:
 
     def _row(self, case: Case, provider: str, mode: str, metric: str, value: float | None, *, unit: str = "",
              p20: float | None = None, p80: float | None = None, mean: float | None = None,
-             std: float | None = None, status: str = "ok", reason: str = "", kernel: str = "") -> None:
+             std: float | None = None, samples: int | None = None, status: str = "ok", reason: str = "",
+             kernel: str = "") -> None:
         self.rows.append({
             "table_id": case.table_id, "case_id": case.case_id, "provider": provider, "mode": mode,
-            "metric": metric, "value": value, "p20": p20, "p80": p80, "mean": mean, "std": std, "unit": unit,
-            "status": status,
+            "metric": metric, "value": value, "p20": p20, "p80": p80, "mean": mean, "std": std, "samples": samples,
+            "unit": unit, "status": status,
             "reason": reason, "kernel": kernel, **case.config,
         })
 
@@ -271,28 +272,28 @@ class Harness:
         self._row(case, provider, mode, "time_ms", t.p50, p20=t.p20, p80=t.p80, mean=t.mean, std=t.std, unit="ms",
                   **common)
         if isinstance(util, float):
-            self._row(case, provider, mode, "gpu_util_pct", util, unit=f"% (NVML, {self.utilization_s:g} s of calls)",
+            self._row(case, provider, mode, "gpu_util_pct", util, unit="%",
                       **common)
         elif isinstance(util, str):
             self._row(case, provider, mode, "gpu_util_pct", None, status="error", reason=util[:300], **common)
         if host_ms is not None:
-            self._row(case, provider, mode, "host_ms", host_ms, unit="ms of host time per call, no sync", **common)
+            self._row(case, provider, mode, "host_ms", host_ms, unit="ms", **common)
         if w.flops_fwd:
             flops = mode_flops(w.flops_fwd, mode)
             # rate quantiles: the fast end (p20 time) is the high rate
             self._row(case, provider, mode, "tflops", tflops(flops, t.p50), p20=tflops(flops, t.p80),
                       p80=tflops(flops, t.p20), unit="TFLOP/s", **common)
             self._row(case, provider, mode, "frac_gemm_peak", tflops(flops, t.p50) / self.ceilings.gemm_tflops,
-                      unit=f"of measured {self.ceilings.gemm_dtype} GEMM", **common)
+                      unit="fraction", **common)
         if w.bytes_by_mode:
             nbytes = mode_bytes(w.bytes_by_mode, mode)
             self._row(case, provider, mode, "gbps", gbps(nbytes, t.p50), p20=gbps(nbytes, t.p80),
-                      p80=gbps(nbytes, t.p20), unit="GB/s (written byte count)", **common)
+                      p80=gbps(nbytes, t.p20), unit="GB/s", **common)
             self._row(case, provider, mode, "frac_copy_bw", gbps(nbytes, t.p50) / self.ceilings.copy_gbps,
-                      unit="of measured copy bandwidth", **common)
+                      unit="fraction", **common)
         self._row(case, provider, mode, "peak_mem_mb", profiled.peak_bytes / 2**20, unit="MiB", **common)
         for metric, value in acc.items():
-            self._row(case, provider, mode, metric, value, unit="vs float64", **common)
+            self._row(case, provider, mode, metric, value, unit="ratio", **common)
         if self.kernel_calls and self.device == "cuda":
             self._kernel_time_later(case, provider, mode, thunk, clear, profiled)
 
@@ -327,7 +328,7 @@ class Harness:
 
     def _kernel_times(self, items: list[_KernelTimeItem]) -> None:
         """Kernel time of each item from one profiler session, their calls round robin
-        (``bench.timing.kernel_times_ms``); one ``kernel_ms`` row each, its unit saying with how many
+        (``bench.timing.kernel_times_ms``); one ``kernel_ms`` row each, its reason saying with how many
         other workloads its calls were interleaved and whether the trace was taken again."""
         trace, status, reason = None, "error", ""
         try:
@@ -347,8 +348,7 @@ class Harness:
                 continue
             q = quantiles(trace.samples[i])
             self._row(h.case, h.provider, h.mode, "kernel_ms", q.p50, p20=q.p20, p80=q.p80,
-                      unit=f"ms of GPU kernel time per call (sum over its kernels; calls {how}{trace.note()})",
-                      kernel=h.kernels)
+                      samples=len(trace.samples[i]), unit="ms", reason=f"calls {how}{trace.note()}", kernel=h.kernels)
 
     def _reference(self, study: Study, case: Case) -> Tensor | None:
         if case.case_id not in self._refs:
@@ -359,7 +359,7 @@ class Harness:
         base = {"table_id": "", "case_id": "machine", "provider": "machine", "mode": "", "status": "ok",
                 "reason": "", "kernel": "", "p20": None, "p80": None}
         return [
-            {**base, "metric": "copy_gbps", "value": self.ceilings.copy_gbps, "unit": "GB/s (read+write)"},
+            {**base, "metric": "copy_gbps", "value": self.ceilings.copy_gbps, "unit": "GB/s"},
             {**base, "metric": "gemm_tflops", "value": self.ceilings.gemm_tflops,
-             "unit": f"TFLOP/s ({self.ceilings.gemm_dtype} {self.ceilings.gemm_size}^3)"},
+             "unit": "TFLOP/s", "kernel": f"{self.ceilings.gemm_dtype} GEMM {self.ceilings.gemm_size}^3"},
         ]

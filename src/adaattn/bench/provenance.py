@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 # Paths whose state decides what a study measures; "dirty" means one of them has uncommitted edits.
-CODE_PATHS = ("src", "experiments", "params.yaml", "dvc.yaml", "pyproject.toml")
+CODE_PATHS = ("src", "params.yaml", "dvc.yaml", "pyproject.toml")
 
 
 def cpu_model() -> str:

@@ -1,8 +1,9 @@
 """Results: one tidy long table per (study, hardware target), written atomically.
 
 One row per (case, provider, mode, metric). Distribution metrics (times) carry p20/p50/p80 with
-``value`` = p50 (and the mean and standard deviation of the samples); scalar metrics carry ``value`` only. A case that did not run is one row with
-``status`` (unavailable / unsupported / oom / error) and the ``reason``.
+``value`` = p50, the mean and standard deviation of the samples and their count (``samples``); scalar
+metrics carry ``value`` only. ``unit`` is a unit (how a metric is measured: ``docs/methods.md``, by metric
+name). A case that did not run is one row with ``status`` (``STATUSES``) and the ``reason``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import pandas as pd
 from adaattn.bench.provenance import PROVENANCE_COLUMNS
 
 ROW_COLUMNS = (
-    "study", "table_id", "case_id", "provider", "mode", "metric", "value", "p20", "p80", "mean", "std", "unit",
-    "status", "reason", "kernel",
+    "study", "table_id", "case_id", "provider", "mode", "metric", "value", "p20", "p80", "mean", "std", "samples",
+    "unit", "status", "reason", "kernel",
 )
-STATUSES = ("ok", "unavailable", "unsupported", "oom", "error")
+# ok: measured; outpaced: measured in the first rounds only, then another rival was faster with confidence
+# (``side_by_side``); pruned: not timed (its warm-up far slower than the fastest rival's); the rest: did not run
+STATUSES = ("ok", "outpaced", "pruned", "unavailable", "unsupported", "oom", "error")
+UNIT_CHARS = 40  # a unit, not a method: the method is docs/methods.md's, by metric
 
 
 def results_path(root: Path, study: str, target: str) -> Path:
@@ -32,6 +36,12 @@ def write_results(path: Path, rows: list[dict], config_columns: list[str]) -> No
     unknown = sorted({k for r in rows for k in r} - set(columns))
     if unknown:
         raise ValueError(f"result rows carry unknown columns {unknown}")
+    bad = sorted({str(r.get("status")) for r in rows} - set(STATUSES))
+    if bad:
+        raise ValueError(f"result rows carry status {bad}; allowed: {', '.join(STATUSES)}")
+    long = sorted({u for r in rows if len(u := str(r.get("unit") or "")) > UNIT_CHARS})
+    if long:
+        raise ValueError(f"result units over {UNIT_CHARS} characters (a unit, not a method): {long[:3]}")
     frame = pd.DataFrame(rows, columns=columns)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

@@ -7,13 +7,13 @@ result for hardware it is not running on.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from adaattn.bench.compile_cache import compile_in_process, warm_calls, warm_compile_cache
+from adaattn.bench.compile_cache import WarmItem, compile_in_process, warm_calls, warm_compile_cache
 from adaattn.bench.harness import Case, Harness
 from adaattn.bench.provenance import cpu_model, provenance
 from adaattn.bench.results import results_path, write_results
@@ -21,8 +21,16 @@ from adaattn.bench.roofline import measure_ceilings
 from adaattn.bench.timing import make_timer
 from adaattn.config import ConfigError, Params, Target, params_hash
 
+if TYPE_CHECKING:  # the report's imports (matplotlib, seaborn) stay out of a measuring run
+    import pandas as pd
+
+    from adaattn.report.common import Section
+
 
 class StudyDef(Protocol):
+    """What the runner and the report ask of a study. A study class subclasses this and gets the optional
+    hooks' defaults (nothing to compile ahead, no extra rows, the harness's default options)."""
+
     name: str
     table_ids: tuple[str, ...]
     config_columns: list[str]
@@ -32,6 +40,24 @@ class StudyDef(Protocol):
     def cases(self, params: Params, target: Target) -> list[Case]: ...
 
     def bind(self, device: str) -> StudyDef: ...
+
+    def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]: ...
+
+    def harness_options(self, params: Params, target: Target) -> dict[str, Any]:
+        """Keyword arguments of ``Harness`` (host_calls, kernel_calls, utilization_s, ...)."""
+        return {}
+
+    def compile_groups(self, cases: list[Case]) -> list[list[WarmItem]]:
+        """torch.compile'd calls to compile in worker processes before anything is timed."""
+        return []
+
+    def host_warm_items(self, cases: list[Case]) -> list[WarmItem]:
+        """First calls whose cost is on the host, made here while the workers compile."""
+        return []
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        """Measurements outside the harness, after it."""
+        return []
 
 
 def resolve_target(params: Params, name: str) -> Target:
@@ -86,11 +112,11 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
     path = results_path(results_root, study.name, target_name)
 
     workers = getattr(params.bench, target.profile).compile_workers
-    groups = study.compile_groups(cases) if hasattr(study, "compile_groups") else []
+    groups = study.compile_groups(cases)
     if workers and groups:
         # meanwhile, this process makes the first calls whose cost is on the host (a fresh instance:
         # the study sent to the workers stays as it is)
-        host_items = study.host_warm_items(cases) if hasattr(study, "host_warm_items") else []
+        host_items = study.host_warm_items(cases)
         console.print(f"compiling {len(groups)} torch.compile segments in {min(workers, len(groups))} worker "
                       f"processes; meanwhile {len(host_items)} host-heavy first calls here")
         warm = warm_compile_cache(study, groups, target.device, workers,
@@ -104,8 +130,7 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
     timer = make_timer(target.device, params.bench)
     console.print(f"[bold]{study.name}[/] on target [bold]{target_name}[/]: measuring machine ceilings")
     harness = Harness(target.device, timer, measure_ceilings(target.device, timer),
-                      host_calls=getattr(study, "host_calls", 0), kernel_calls=getattr(study, "kernel_calls", 0),
-                      **(study.utilization(params, target) if hasattr(study, "utilization") else {}))
+                      **study.harness_options(params, target))
     console.print(f"  copy {harness.ceilings.copy_gbps:.0f} GB/s, {harness.ceilings.gemm_dtype} GEMM "
                   f"{harness.ceilings.gemm_tflops:.1f} TFLOP/s")
     total = sum(len(c.providers) for c in cases)
@@ -122,7 +147,7 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
         bar.advance(task)
     if workers and groups:
         harness.phase_seconds["parallel compile (workers)"] = warm.seconds
-    extra = study.extra_rows(params, target) if hasattr(study, "extra_rows") else []  # measurements outside the harness
+    extra = study.extra_rows(params, target)
     prov = provenance(target.device, target_name, phash)
     rows = [{"study": study.name, **r, **prov} for r in harness.ceiling_rows() + harness.rows + extra]
     write_results(path, rows, study.config_columns)

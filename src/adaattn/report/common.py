@@ -154,6 +154,16 @@ def provenance_table(df: pd.DataFrame, current_hashes: dict[str, str | None]) ->
     return md_table(prov)
 
 
+def one_point_table(frame: pd.DataFrame, x: str, by: list[str], title: str) -> str | None:
+    """A sweep whose ``x`` holds one value is a table, not a figure of lone points: its markdown (``by`` columns
+    beside ``x`` and the value), or None where the sweep has two values or more."""
+    if frame[x].nunique() > 1:
+        return None
+    cols = [c for c in (x, *by) if c in frame]
+    table = frame[[*cols, "value"]].sort_values(cols).assign(value=frame["value"].map(fmt))
+    return f"{title} (one point: a table, not a figure)\n\n{md_table(table)}\n"
+
+
 def save_figure(fig: plt.Figure, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # no Software/date metadata: identical inputs give byte-identical PNGs

@@ -48,7 +48,8 @@ def render_study(study: Any, params: Params, raw: dict, results_root: Path,
     out_dir = reports_root / study.name
     out_dir.mkdir(parents=True, exist_ok=True)
     sections = study.render(df, out_dir)
-    ceilings = df[df["case_id"] == "machine"][["target", "hardware", "metric", "value", "unit"]]
+    ceilings = df[df["case_id"] == "machine"][["target", "hardware", "metric", "value", "unit", "kernel"]]
+    ceilings = ceilings.rename(columns={"kernel": "what"}).fillna("")
     judged = [s for s in sections if s.verdicts]
     hashes = _current_hashes(study, params, raw, df)
     lines = [
@@ -65,6 +66,9 @@ def render_study(study: Any, params: Params, raw: dict, results_root: Path,
     lines += [
         "## Where the numbers come from\n",
         provenance_table(df, hashes) + "\n",
+        "How each metric was measured: [docs/methods.md](../docs/methods.md), \"Metrics\", by the results' `metric`\n"
+        "name; a row's `samples` is how many samples its distribution holds. The commands that measured each target:\n",
+        md_table(df[["target", "command"]].drop_duplicates("target")) + "\n",
         "Machine ceilings measured at the start of each run:\n",
         md_table(ceilings) + "\n",
     ]

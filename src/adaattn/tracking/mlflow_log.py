@@ -24,7 +24,7 @@ from adaattn.bench.results import read_results
 KEY_TAG = "adaattn.key"  # "<study>/<target>" on parent runs
 SHA_TAG = "adaattn.results_sha256"
 FORMAT_TAG = "adaattn.log_format"
-LOG_FORMAT = "4"  # what a run holds: a file logged in another format is logged again
+LOG_FORMAT = "5"  # what a run holds: a file logged in another format is logged again
 
 
 def tracking_uri(root: Path) -> str:
@@ -130,12 +130,14 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
                                    for _, r in machine.iterrows()],
                      params=[Param("target", target), Param("results_file", str(path))])
     for name, params, metrics, tags in _child_runs(df, config_columns):
-        child = client.create_run(exp_id, run_name=name, tags={
+        # started at the measurement's time, before every parent (started now): the runs table, newest first,
+        # opens on the parents, their children folded under them, however many children there are
+        child = client.create_run(exp_id, run_name=name, start_time=ts, tags={
             "mlflow.parentRunId": pid, "study": study, **prov, **tags})
         client.log_batch(child.info.run_id,
                          metrics=[Metric(k, v, ts, 0) for k, v in metrics.items()],
                          params=[Param(k, v) for k, v in params.items()])
-        client.set_terminated(child.info.run_id)
+        client.set_terminated(child.info.run_id, end_time=ts)
     for art in artifacts:
         client.log_artifact(pid, str(art), artifact_path="figures")
     if report is not None and report.is_file():

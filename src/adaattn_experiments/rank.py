@@ -65,17 +65,14 @@ from adaattn.attention.rank import (
 )
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload
-from adaattn.bench.runner import target_sections
+from adaattn.bench.runner import StudyDef, target_sections
 from adaattn.bench.timing import make_timer
 from adaattn.config import ConfigError, Params, Target
 from adaattn.report.common import Section
 from adaattn_experiments import minilm
-from adaattn_experiments.ada_modules import backend_unavailable
-from adaattn_experiments.side_by_side import side_by_side_rows
+from adaattn_experiments.modules import backend_unavailable
+from adaattn.bench.side_by_side import side_by_side_rows
 
-ENERGY = 0.99
-GOAL_MIN_LEN = 8192  # the issue's low-rank goal: at S >= 8192 ...
-GOAL_RANK_DIV = 16  # ... with at most S / 16 landmarks, >= 2x the best exact backend
 
 
 def low_rank_of(provider: str) -> LowRank | None:
@@ -84,17 +81,10 @@ def low_rank_of(provider: str) -> LowRank | None:
     return LowRank(method, int(r)) if method in LOW_RANK_METHODS and r.isdigit() else None
 
 
-class RankStudy:
+class RankStudy(StudyDef):
     name = "rank"
     table_ids = ("G2-C1",)
     config_columns = ["inputs", "true_rank", "batch", "heads", "seq_len", "head_dim", "dtype", "head"]
-    # on CUDA, also the summed kernel time of 10 profiled calls: the low-rank goal is read on both
-    # (the fused Nyström path is a few launches whose host time can exceed their kernel time)
-    kernel_calls = 10
-    # the goal's time per call (CUDA): the exact backends and the goal's landmark counts side by
-    # side (``side_by_side.py``), about this many ms of calls per case, within these rounds
-    side_by_side_ms = 1000.0
-    side_by_side_rounds = (20, 200)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -108,8 +98,16 @@ class RankStudy:
     def bind(self, device: str) -> RankStudy:
         return RankStudy(device)
 
+    def harness_options(self, params: Params, target: Target) -> dict[str, Any]:
+        # kernel time too: the low-rank goal is read on both (the fused Nyström path is a few launches whose
+        # host time can exceed their kernel time)
+        return {"kernel_calls": getattr(params.g2_c1, target.profile).kernel_calls}
+
     def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
-        return target_sections(raw, target_name, ("G2-C1",))
+        # the goal's cases are timed side by side: its bounds decide which
+        v = raw.get("verdicts", {})
+        return {**target_sections(raw, target_name, ("G2-C1",)),
+                **{f"verdicts.{k}": v.get(k) for k in ("low_rank_min_len", "low_rank_landmarks_div")}}
 
     def cases(self, params: Params, target: Target) -> list[Case]:
         sec = getattr(params.g2_c1, target.profile)
@@ -238,35 +236,36 @@ class RankStudy:
         if self._real_source is not None:
             rows.append({"table_id": "G2-C1", "case_id": "G2-C1/real-inputs", "provider": "minilm", "mode": "",
                          "metric": "real_inputs_source", "value": len(self._sec.real_seq_lens),
-                         "unit": f"windows, read from {minilm.CAPTURE}", "status": "ok", "reason": "",
+                         "unit": "windows", "status": "ok", "reason": f"read from {minilm.CAPTURE}",
                          "kernel": "; ".join(f"{k}: {v}" for k, v in self._real_source.items())})
         if self.device == "cuda":
-            rows += self._side_by_side() + self._solve_floor(params)
+            rows += self._side_by_side(params) + self._solve_floor(params)
         return rows
 
-    def _goal_cases(self) -> list[tuple[Case, list[str]]]:
-        """The cases the low-rank goal covers (S >= GOAL_MIN_LEN) and their low-rank providers of at most
-        S / GOAL_RANK_DIV landmarks."""
-        out = []
+    def _goal_cases(self, params: Params) -> list[tuple[Case, list[str]]]:
+        """The cases the low-rank goal covers (S >= verdicts.low_rank_min_len) and their low-rank providers of at
+        most S / verdicts.low_rank_landmarks_div landmarks."""
+        out, v = [], params.verdicts
         for case in self._cases:
             S = case.config["seq_len"]
-            low = [p for p in case.providers if (c := low_rank_of(p)) and c.rank <= S // GOAL_RANK_DIV]
-            if S >= GOAL_MIN_LEN and low:
+            low = [p for p in case.providers if (c := low_rank_of(p)) and c.rank <= S // v.low_rank_landmarks_div]
+            if S >= v.low_rank_min_len and low:
                 out.append((case, low))
         return out
 
-    def _side_by_side(self) -> list[dict]:
+    def _side_by_side(self, params: Params) -> list[dict]:
         """``side_by_side_ms`` of the goal's cases: the exact backends and the low-rank paths, interleaved."""
+        if self._sec.side_by_side is None:
+            return []
         groups = []
-        for case, low in self._goal_cases():
+        for case, low in self._goal_cases(params):
             exact = [p for p in self._sec.exact_providers if self.unavailable(p, self.device) is None]
             names = exact + low
             base = {"table_id": "G2-C1", "case_id": case.case_id, "kernel": "", **case.config}
             groups.append((base, "fwd", {p: functools.partial(self.setup, case, p, False) for p in names}))
-        lo, hi = self.side_by_side_rounds
         # every low-rank path is kept: the goal reads each one's speedup, however slow
         return side_by_side_rows(groups, self.device, keep=[n for _, _, b in groups for n in b if low_rank_of(n)],
-                                 budget_ms=self.side_by_side_ms, min_rounds=lo, max_rounds=hi)
+                                 rounds=self._sec.side_by_side)
 
     def _solve_floor(self, params: Params) -> list[dict]:
         """What the r x r solve of the goal's landmark counts costs at least on this GPU: one batched
@@ -297,15 +296,15 @@ class RankStudy:
                 finally:
                     torch.backends.cuda.matmul.allow_tf32 = tf32
                 n_mm = PINV_ITERS * PINV_MATMULS_PER_ITER
-                units = {"pinv_fp32_ms": f"ms: {n_mm} x one batched fp32 r x r x r product (the pseudo-inverse's count)",
-                         "pinv_bf16_ms": f"ms: {n_mm} x one batched bf16 r x r x r product (the same count at bf16's rate)",
-                         "lu_solve_ms": "ms: torch.linalg.solve, fp32, head_dim right-hand sides"}
+                what = {"pinv_fp32_ms": f"{n_mm} x one batched fp32 r x r x r product (the pseudo-inverse's count)",
+                        "pinv_bf16_ms": f"{n_mm} x one batched bf16 r x r x r product (the same count at bf16's rate)",
+                        "lu_solve_ms": "torch.linalg.solve, fp32, head_dim right-hand sides"}
                 for metric, q in times.items():
                     k = n_mm if metric.startswith("pinv") else 1
                     rows.append({"table_id": "G2-C1", "case_id": f"G2-C1/solve-floor-n{n}-r{r}-d{c['head_dim']}",
                                  "provider": f"solve-{r}", "mode": "fwd", "metric": metric, "value": k * q.p50,
-                                 "p20": k * q.p20, "p80": k * q.p80, "unit": units[metric], "status": "ok",
-                                 "reason": "", "kernel": "", "batch": c["batch"], "heads": c["heads"],
+                                 "p20": k * q.p20, "p80": k * q.p80, "unit": "ms", "status": "ok",
+                                 "reason": what[metric], "kernel": "", "batch": c["batch"], "heads": c["heads"],
                                  "head_dim": c["head_dim"], "dtype": "fp32" if metric != "pinv_bf16_ms" else "bf16"})
         return rows
 
@@ -316,39 +315,39 @@ class RankStudy:
             c = case.config
             base = {"table_id": "G2-C1", "case_id": case.case_id, "mode": "fwd", "status": "ok", "reason": "",
                     "kernel": "", **c}
-            est = estimate_rank(q, k, sample_rows=self._sec.sample_rows, energy=ENERGY)
+            est = estimate_rank(q, k, sample_rows=self._sec.sample_rows, energy=self._sec.energy)
             full = self._full_rank(q, k) if c["seq_len"] <= self._sec.full_spectrum_max_len else None
             for h in range(c["heads"]):
                 head = {**base, "head": h, "provider": "estimator"}
                 rows.append({**head, "metric": "spectrum_rank_sampled", "value": est["spectrum"][h].item(),
-                             "unit": f"singular values holding {ENERGY:.0%} (sampled rows)"})
+                             "unit": "singular values"})
                 rows.append({**head, "metric": "entropy_rank", "value": est["entropy"][h].item(),
                              "unit": "exp(mean row entropy)"})
                 if full is not None:
                     rows.append({**head, "metric": "spectrum_rank_full", "value": full[h].item(),
-                                 "unit": f"singular values holding {ENERGY:.0%} (full matrix, batch element 0)"})
+                                 "unit": "singular values"})
             choice, seen = self.policy(case)
             pol = {**base, "provider": "policy"}
             # kernel: the low-rank path the policy took, or the exact path's backend
             rows.append({**pol, "metric": "policy_rank", "value": choice.rank if choice is not None else 0,
-                         "unit": "landmarks (0: exact path)",
+                         "unit": "landmarks",  # 0: the exact path
                          "kernel": choice.method if choice is not None else self._exact(case),
                          "reason": "" if choice is not None else self._why_exact(seen)})
             if seen["speed"] is not None:
                 sp, method = seen["speed"], list(seen["sample_rel_error"])[-1]
-                unit = (f"ms per call, {seen['tried']} landmarks ({method}) and the exact path ({sp.exact}), timed "
-                        "side by side by the policy")
-                rows.append({**pol, "metric": "policy_low_rank_ms", "value": sp.low_rank_ms, "unit": unit,
-                             "kernel": method})
-                rows.append({**pol, "metric": "policy_exact_ms", "value": sp.exact_ms, "unit": unit,
-                             "kernel": sp.exact})
+                why = (f"{seen['tried']} landmarks ({method}) and the exact path ({sp.exact}), timed side by side by "
+                       "the policy")
+                rows.append({**pol, "metric": "policy_low_rank_ms", "value": sp.low_rank_ms, "unit": "ms",
+                             "kernel": method, "reason": why})
+                rows.append({**pol, "metric": "policy_exact_ms", "value": sp.exact_ms, "unit": "ms",
+                             "kernel": sp.exact, "reason": why})
             rows.append({**pol, "metric": "policy_tolerance", "value": self._sec.error_tolerance,
-                         "unit": "rel L2 the policy accepts on its sampled rows"})
+                         "unit": "rel L2"})  # the policy accepts on its sampled rows
             if seen["estimate"] is not None:
                 rows.append({**pol, "metric": "policy_estimate", "value": seen["estimate"], "unit": "rank"})
             for method, err in seen["sample_rel_error"].items():
                 rows.append({**pol, "metric": f"policy_sample_rel_l2_{method}", "value": err,
-                             "unit": f"rel L2 of {seen['tried']} landmarks ({method}) on the sampled rows"})
+                             "unit": "rel L2", "reason": f"{seen['tried']} landmarks ({method}) on the sampled rows"})
         return rows
 
     def _why_exact(self, seen: dict) -> str:
@@ -357,13 +356,12 @@ class RankStudy:
         tolerance = None if seen["speed"] is not None else self._sec.error_tolerance  # only an error names it
         return skip_reason(None, seen, tolerance)  # AdaAttention's words for its statistics
 
-    @staticmethod
-    def _full_rank(q: Tensor, k: Tensor) -> Tensor:
+    def _full_rank(self, q: Tensor, k: Tensor) -> Tensor:
         """(H,) effective rank of each head's full softmax matrix (batch element 0), float64."""
         p = torch.softmax((q[0].double() @ k[0].double().transpose(-2, -1)) / q.shape[-1] ** 0.5, dim=-1)
         s2 = torch.linalg.eigvalsh(p @ p.transpose(-2, -1)).flip(-1).clamp_min(0)  # squared singular values
         frac = s2.cumsum(-1) / s2.sum(-1, keepdim=True)
-        return (frac < ENERGY).sum(-1) + 1
+        return (frac < self._sec.energy).sum(-1) + 1
 
     def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
         from adaattn_experiments.rank_report import render

@@ -12,9 +12,9 @@ import seaborn as sns
 
 from adaattn.kernels.nystrom import fused_solve
 from adaattn.attention.rank import LOW_RANK_METHODS, PINV_ITERS, PINV_MATMULS_PER_ITER
-from adaattn.report.common import Section, Verdict, fmt, judge, knobs, md_table, save_figure
-from adaattn_experiments.rank import GOAL_MIN_LEN, GOAL_RANK_DIV, low_rank_of
-from adaattn_experiments.side_by_side import BURST, CI_LEVEL
+from adaattn.bench.rounds import BURST, CI_LEVEL
+from adaattn.report.common import Section, Verdict, fmt, judge, knobs, md_table, one_point_table, save_figure
+from adaattn_experiments.rank import low_rank_of
 
 # what the r x r solve costs at least (``rank.RankStudy._solve_floor``): metric -> column
 SOLVE_FLOORS = {"pinv_fp32_ms": "pinv products ms (cuBLAS fp32)", "pinv_bf16_ms": "pinv products ms (cuBLAS bf16)",
@@ -43,6 +43,10 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     for target, f in err.groupby("target"):
         lengths = sorted(f["seq_len"].dropna().astype(int).unique())  # a legend of the lengths measured
         f = f.assign(S=f["seq_len"].astype(int).astype(str))
+        title = f"G2-C1 low-rank error (relative L2) on {f['hardware'].iloc[0]} ({target})"
+        if (table := one_point_table(f, "landmarks", ["inputs", "S", "method"], title)) is not None:
+            parts.append(table)
+            continue
         grid = sns.relplot(data=f, x="landmarks", y="value", hue="S", hue_order=[str(n) for n in lengths],
                            style="method", col="inputs", kind="line", marker="o", height=2.6, aspect=1.1,
                            palette="viridis", errorbar=None, col_wrap=3)
@@ -90,14 +94,14 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                      "policy ms": fmt(times.get("policy")), "why exact": reasons.get(case_id, "") if not prank else "",
                      f"oracle path (rel L2 <= {tol:g})": str(oracle) if oracle else "none",
                      "best exact": best or "-", "best exact ms": fmt(times.get(best)) if best else "-"})
-        if best and S >= GOAL_MIN_LEN:
+        if best and S >= knobs().low_rank_min_len:
             kbest = min(exact, key=lambda e: ktimes.get(e, float("inf"))) if len(ktimes) else None
             side = r["side_by_side_ms"].dropna() if "side_by_side_ms" in r.index.get_level_values(0) else None
             sbest = min((p for p in exact if p in side.index), key=lambda p: side[p], default=None) \
                 if side is not None else None
             for method, n in low:
                 p = f"{method}-{n}"
-                if n <= S // GOAL_RANK_DIV and p in times:
+                if n <= S // knobs().low_rank_landmarks_div and p in times:
                     per_call = (side[sbest] / side[p] if sbest and p in side.index else float("nan")) \
                         if side is not None else times[best] / times[p]
                     # the batched solve's cost; the fused path solves inside one kernel (not these launches),
@@ -130,8 +134,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             miss = len(x) - len(met)
             worst = 0.0 if (~within[x.index]).any() else x.min()  # over the budget: not met at any speed
             verdicts.append(Verdict(
-                "G2-C1", f"goal: low-rank ({method}, landmarks <= S/{GOAL_RANK_DIV}) >= {bound:g}x the best exact at "
-                f"S >= {GOAL_MIN_LEN}, rel L2 <= {tol:g}, by {basis}", "(issue goal)",
+                "G2-C1", f"goal: low-rank ({method}, landmarks <= S/{knobs().low_rank_landmarks_div}) >= {bound:g}x the best exact at "
+                f"S >= {knobs().low_rank_min_len}, rel L2 <= {tol:g}, by {basis}", "(issue goal)",
                 f"{x.min():.2f}-{x.max():.2f}x over {len(x)} points; {miss} not met "
                 f"({int((~within[x.index]).sum())} over the error budget)"
                 + (f" (met up to {int(met['landmarks'].max())} landmarks at some S)" if len(met) else ""),
@@ -162,7 +166,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
              + "".join(f"; {t}: {src}" for t, src in _real_sources(ok).items()) + "."
              if real else "") + "\n\n"
           + md_table(pd.DataFrame(rows)) + "\n\n"
-          f"### Goal: low-rank at landmarks <= S/{GOAL_RANK_DIV}, S >= {GOAL_MIN_LEN}: speed vs the best exact "
+          f"### Goal: low-rank at landmarks <= S/{knobs().low_rank_landmarks_div}, S >= {knobs().low_rank_min_len}: speed vs the best exact "
           "backend, and the error it pays\n\n"
           "Time per call: the best exact backend's over the low-rank path's, on a GPU from the goal's providers "
           "timed side by side after the sweep (one turn of each per round in a shuffled order, a turn "
@@ -178,7 +182,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "kernel instead; the pooled path solves nothing); a solve above the "
           "budget rules the goal out at that size for a solve made of those launches.\n\n"
           + (md_table(shown) if len(shown) else "no point of this sweep has S >= "
-                                 f"{GOAL_MIN_LEN} (the CPU profile)") + "\n")
+                                 f"{knobs().low_rank_min_len} (the CPU profile)") + "\n")
     return [Section("G2-C1", "Adaptive rank (rank estimate, low-rank paths, policy)", md, verdicts)]
 
 
@@ -234,5 +238,4 @@ def _tolerance(df: pd.DataFrame) -> float:
 def _real_sources(ok: pd.DataFrame) -> dict[str, str]:
     """target -> where its real inputs came from (the ``real_inputs_source`` row: the capture's source)."""
     rows = ok[ok["metric"] == "real_inputs_source"]
-    return dict(zip(rows["target"], rows["unit"].str.removeprefix("windows, ") + " (" + rows["kernel"] + ")",
-                    strict=True))
+    return dict(zip(rows["target"], rows["reason"] + " (" + rows["kernel"] + ")", strict=True))

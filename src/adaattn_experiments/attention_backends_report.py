@@ -14,7 +14,7 @@ import seaborn as sns
 from adaattn.attention.providers import BASELINE
 from adaattn.report.common import (
     PROVIDER_COLORS, PROVIDER_ORDER, Section, Verdict, fmt, guide_figures, interval_text, judge, knobs, md_table,
-    median_interval, save_figure,
+    median_interval, one_point_table, save_figure,
 )
 
 # Guide names -> our providers, first that ran wins (the guide's "XFormers" is
@@ -182,6 +182,10 @@ def _render_g1_t1(runs: pd.DataFrame, out_dir: Path) -> Section:
     for (target, dtype), grp in tflops[tflops["status"] == "ok"].groupby(["target", "dtype"], sort=False):
         hw = grp["hardware"].iloc[0]
         providers = [p for p in PROVIDER_ORDER if p in set(grp["provider"])]
+        title = f"Attention throughput (TFLOP/s), {dtype}, on {hw} ({target})"
+        if (table := one_point_table(grp, "seq_len", ["head_dim", "causal", "mode", "provider"], title)) is not None:
+            parts.append(f"### {hw} ({target}), {dtype}\n\n{table}")
+            continue
         grid = sns.relplot(
             data=grp.assign(shape=grp["head_dim"].map("d={}".format) + grp["causal"].map(
                 {True: ", causal", False: ", full"})),

@@ -36,7 +36,7 @@ from torch import Tensor
 from adaattn.attention.providers import DTYPES
 from adaattn.bench.compile_cache import FreshCompiles, WarmItem, segments
 from adaattn.bench.harness import Case, Workload
-from adaattn.bench.runner import target_sections
+from adaattn.bench.runner import StudyDef, target_sections
 from adaattn.config import Params, Target
 from adaattn.errors import Unsupported
 from adaattn.kernels import reference as R
@@ -83,12 +83,10 @@ def _first_tokens(out: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ..
 REFS = {"rms_norm": R.rms_norm_ref, "swiglu": R.swiglu_ref, "rope": R.rope_ref, "qk_norm_rope": R.qk_norm_rope_ref}
 
 
-class Kernels:
+class Kernels(StudyDef):
     name = "kernels"
     table_ids = ("G4-T2", "G4-T1")
     config_columns = ["op", "batch", "seq_len", "tokens", "hidden", "heads", "kv_heads", "head_dim", "dtype"]
-    host_calls = 20  # host time per call: 20 back-to-back calls, no sync
-    kernel_calls = 10  # kernel time per call (no host time in it): 10 profiled calls
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -97,6 +95,10 @@ class Kernels:
 
     def bind(self, device: str) -> Kernels:
         return Kernels(device)
+
+    def harness_options(self, params: Params, target: Target) -> dict[str, Any]:
+        sec = getattr(params.g4_t1, target.profile)
+        return {"host_calls": sec.host_calls, "kernel_calls": sec.kernel_calls}
 
     def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
         return target_sections(raw, target_name, SECTION_IDS)

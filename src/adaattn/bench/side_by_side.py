@@ -1,11 +1,11 @@
 """Time per call side by side, as rows: the calls of a goal's providers interleaved in shuffled rounds
 (``bench.rounds``, which the kernel manager shares), each group's rivals pruned and outpaced, and the goal's
-ratio read round by round with its median's confidence interval (``docs/methods.md``).
+ratio read round by round with its median's confidence interval (``docs/methods.md``, "Calls side by side").
 
 A group's rounds come in two parts. First ``min_rounds`` rounds of every provider timed; then a rival (a
 provider not under test) that another rival beats with ``CI_LEVEL`` confidence (``outpaced``) leaves the
-rounds: it cannot be the fastest rival, which is what a goal compares against, and the rest of the budget
-goes to the others. Where a goal's question is still open after that (``settle``: the interval of the
+rounds (status ``outpaced``): it cannot be the fastest rival, which is what a goal compares against, and the
+rest of the budget goes to the others. Where a goal's question is still open after that (``settle``: the interval of the
 ratio to a rival still in the rounds spans the goal's bound), those providers take one block more, once.
 """
 
@@ -17,10 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from adaattn.bench.harness import Workload
-from adaattn.bench.rounds import BURST, CI_LEVEL, SEED, interleaved_samples_ms, median_ci, outpaced, round_ratios, warm_ms
+from adaattn.bench.rounds import BURST, CI_LEVEL, interleaved_samples_ms, median_ci, outpaced, round_ratios, warm_ms
 from adaattn.bench.timing import Quantiles, quantiles
-
-CONTENDER = 3.0  # a provider this much slower than the fastest in warm-up is not timed in the rounds
+from adaattn.config import Rounds
 
 
 def call_of(w: Workload, mode: str) -> Callable[[], object]:
@@ -47,39 +46,35 @@ def call_of(w: Workload, mode: str) -> Callable[[], object]:
 
 
 def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], Workload]]]], device: str,
-                      keep: Sequence[str], budget_ms: float, min_rounds: int, max_rounds: int,
-                      paired: str | None = None, settle: float | None = None, prefix: str = "") -> list[dict]:
+                      keep: Sequence[str], rounds: Rounds, seed: int = 0, paired: str | None = None,
+                      settle: float | None = None, prefix: str = "") -> list[dict]:
     """``side_by_side_ms`` rows, one per (group, provider). A group: (the rows' common fields: table,
     case and config columns; mode; provider -> a function that builds its workload). Each group's
     providers are warmed up and timed alone first; ``keep`` names the providers under test, always
-    timed; any other one more than ``CONTENDER`` x the fastest of those others cannot be the best
+    timed; any other one more than ``rounds.contender`` x the fastest of those others cannot be the best
     of them and is left out of the rounds (a "pruned" row).
-    Then as many rounds as fit ``budget_ms``, within [min_rounds, max_rounds]: ``min_rounds`` of every
+    Then as many rounds as fit ``rounds.budget_ms``, within [min_rounds, max_rounds]: ``min_rounds`` of every
     provider timed, then, where the budget has more, rounds without the rivals another rival beats
-    with confidence (``outpaced``; the row's reason says after how many rounds, beaten by which), and
-    each row's unit says how many rounds it took part in. A provider whose workload fails to build or
-    run gets an error row; the others still run. ``paired`` (one of ``keep``): also a ``paired_ratio``
-    row per other timed provider, ``paired``'s time over that provider's, round by round over the
+    with confidence (status ``outpaced``; the reason says after how many rounds, beaten by which), and
+    each row's ``samples`` says how many rounds it took part in; ``seed``: the rounds' orders. A provider
+    whose workload fails to build or run gets an error row; the others still run. ``paired`` (one of
+    ``keep``): also a ``paired_ratio`` row per other timed provider, ``paired``'s time over that provider's, round by round over the
     rounds both took part in (``round_ratios``), and its median's ``CI_LEVEL`` confidence bounds
     (``paired_ratio_ci_low`` and ``paired_ratio_ci_high`` rows: ``median_ci``). ``settle`` (a goal's
     bound on ``paired``'s ratio): where, after those rounds, the interval of ``paired``'s ratio to a
     provider still in them spans it, the providers still in take one more block of rounds, about
     ``budget_ms`` of calls (at most ``max_rounds``), and the ratios come from all the rounds: a question
     the budget left open gets one more look, not as many as it takes (each look would be one more
-    chance of an interval that misses). The rows' unit says how many rounds that block held. ``prefix``: before
+    chance of an interval that misses). The rows' reason says how many rounds that block held. ``prefix``: before
     every metric's name (``compiled_side_by_side_ms``: another goal's rounds in the same results)."""
     if paired is not None and paired not in keep:
         raise ValueError(f"paired provider {paired!r} must be one of keep: {', '.join(keep)}")
     if settle is not None and paired is None:
         raise ValueError("settle needs a paired provider (the bound is on its ratio)")
-    if not 1 <= min_rounds <= max_rounds:
-        raise ValueError(f"need 1 <= min_rounds <= max_rounds; got {min_rounds}, {max_rounds}")
+    min_rounds, max_rounds, budget_ms = rounds.min_rounds, rounds.max_rounds, rounds.budget_ms
     rows = []
     for base, mode, builders in groups:
-        how = (f"turns of {BURST} calls on a flushed, drained queue, the first not counted, the other {BURST - 1} "
-               "back to back between CUDA events" if device == "cuda" else "perf_counter")
-        unit = f"ms per call (p50; calls interleaved with the group's other providers in shuffled rounds, {how})"
-        row = {**base, "mode": mode, "metric": f"{prefix}side_by_side_ms", "value": None, "unit": unit}
+        row = {**base, "mode": mode, "metric": f"{prefix}side_by_side_ms", "value": None, "unit": "ms"}
         names, calls, est = [], [], []
         grad = torch.enable_grad if mode != "fwd" else torch.no_grad
         with grad():
@@ -97,23 +92,25 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
                 continue
             rivals = [t for n, t in zip(names, est, strict=True) if n not in keep]
             fastest = min(rivals) if rivals else math.inf
-            timed = [i for i, (n, t) in enumerate(zip(names, est, strict=True)) if n in keep or t <= CONTENDER * fastest]
+            timed = [i for i, (n, t) in enumerate(zip(names, est, strict=True))
+                     if n in keep or t <= rounds.contender * fastest]
             for i in set(range(len(names))) - set(timed):
                 rows.append({**row, "provider": names[i], "status": "pruned",
-                             "reason": f"warm-up {est[i]:.3g} ms > {CONTENDER:g}x the fastest ({fastest:.3g} ms)"})
+                             "reason": f"warm-up {est[i]:.3g} ms > {rounds.contender:g}x the fastest ({fastest:.3g} ms)"})
             per_turn = BURST if device == "cuda" else 1
 
             def fit(idx: Sequence[int], ms: float) -> int:  # rounds of these providers in about ms
                 return math.ceil(ms / per_turn / sum(est[i] for i in idx))
 
-            rounds = min(max_rounds, max(min_rounds, fit(timed, budget_ms)))
-            first = min(rounds, min_rounds)  # every timed provider; then the rivals outpaced leave
-            by_index = dict(zip(timed, interleaved_samples_ms([calls[i] for i in timed], device, first), strict=True))
-            left = outpaced({names[i]: by_index[i] for i in timed if names[i] not in keep}) if rounds > first else {}
+            n_rounds = min(max_rounds, max(min_rounds, fit(timed, budget_ms)))
+            first = min(n_rounds, min_rounds)  # every timed provider; then the rivals outpaced leave
+            by_index = dict(zip(timed, interleaved_samples_ms([calls[i] for i in timed], device, first, seed),
+                                strict=True))
+            left = outpaced({names[i]: by_index[i] for i in timed if names[i] not in keep}) if n_rounds > first else {}
             rest = [i for i in timed if names[i] not in left]
             more = min(max_rounds - first, fit(rest, budget_ms - first * per_turn * sum(est[i] for i in timed)))
             if more > 0:
-                for i, x in zip(rest, interleaved_samples_ms([calls[i] for i in rest], device, more, SEED + 1),
+                for i, x in zip(rest, interleaved_samples_ms([calls[i] for i in rest], device, more, seed + 1),
                                 strict=True):
                     by_index[i] += x
             again = 0  # rounds of the block that settles an open question (``settle``)
@@ -121,51 +118,44 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
                 mine = by_index[names.index(paired)]
                 if any(_spans(median_ci(round_ratios(mine, by_index[i])), settle) for i in rest if names[i] != paired):
                     again = min(max_rounds, fit(rest, budget_ms))
-                    for i, x in zip(rest, interleaved_samples_ms([calls[i] for i in rest], device, again, SEED + 2),
+                    for i, x in zip(rest, interleaved_samples_ms([calls[i] for i in rest], device, again, seed + 2),
                                     strict=True):
                         by_index[i] += x
         by_name = {names[i]: by_index[i] for i in timed}
-        settled = (f" ({again} of them a second block: the interval of {paired}'s ratio to a provider in the rounds "
-                   f"spanned {settle:g})") if again else ""
+        settled = (f"{again} of the rounds a second block: the interval of {paired}'s ratio to a provider in the "
+                   f"rounds spanned {settle:g}") if again else ""
         gone = {name: why_left(first, by) for name, by in left.items()}
         for name, x in by_name.items():
-            rows.append({**row, "provider": name, **_stats(quantiles(x)),
-                         "unit": f"{unit}; {len(x)} rounds" + (settled if name not in left else ""),
-                         "status": "ok", "reason": gone.get(name, "")})
+            rows.append({**row, "provider": name, **_stats(quantiles(x)), "samples": len(x),
+                         "status": "outpaced" if name in left else "ok", "reason": gone.get(name, settled)})
         if paired in by_name:
             others = {name: x for name, x in by_name.items() if name != paired}
-            rows += paired_ratio_rows(row, f"{prefix}paired_ratio", paired, by_name[paired], others, how, gone)
+            rows += paired_ratio_rows(row, f"{prefix}paired_ratio", paired, by_name[paired], others, gone)
         del calls
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-LEFT_ROUNDS = "left the rounds after"  # the reason of a rival that another beat with confidence (``outpaced``)
-
-
 def why_left(rounds: int, by: str) -> str:
-    return f"{LEFT_ROUNDS} {rounds}: {by} faster with {CI_LEVEL:.0%} confidence"
+    return f"left the rounds after {rounds}: {by} faster with {CI_LEVEL:.0%} confidence"
 
 
 def paired_ratio_rows(row: dict, metric: str, mine: str, my_samples: Sequence[float],
-                      others: Mapping[str, Sequence[float]], how: str,
-                      reasons: Mapping[str, str] | None = None) -> list[dict]:
+                      others: Mapping[str, Sequence[float]], reasons: Mapping[str, str] | None = None) -> list[dict]:
     """``metric`` rows, one per provider of ``others``, with their ``<metric>_ci_low`` and ``_ci_high``: ``mine``'s
     time over that provider's, round by round over the rounds both took part in (sample j of each from round
-    j: ``round_ratios``), the median and its ``CI_LEVEL`` confidence bounds (``median_ci``). ``how``: how the
-    rounds were timed, for the unit; ``reasons``: a provider's reason (``why_left``: it left the rounds)."""
+    j: ``round_ratios``), the median and its ``CI_LEVEL`` confidence bounds (``median_ci``, distribution-free).
+    ``reasons``: why a provider left the rounds early (``why_left``): its rows' status is ``outpaced``."""
     rows = []
     for name, x in others.items():
         per_round = round_ratios(my_samples[:len(x)], x)
-        unit = f"{mine}'s time over this provider's in the same round (p50 over {len(x)} rounds; {how})"
         why = (reasons or {}).get(name, "")
-        rows.append({**row, "provider": name, "metric": metric, **_stats(quantiles(per_round)), "unit": unit,
-                     "status": "ok", "reason": why})
+        common = {**row, "provider": name, "unit": f"ratio ({mine} / provider)", "samples": len(x),
+                  "status": "outpaced" if why else "ok", "reason": why}
+        rows.append({**common, "metric": metric, **_stats(quantiles(per_round))})
         for side, bound in zip(("low", "high"), median_ci(per_round), strict=True):
-            rows.append({**row, "provider": name, "metric": f"{metric}_ci_{side}", "value": bound,
-                         "unit": f"{CI_LEVEL:.0%} confidence bound of the p50 of the {unit} "
-                                 "(distribution-free: order statistics)", "status": "ok", "reason": why})
+            rows.append({**common, "metric": f"{metric}_ci_{side}", "value": bound})
     return rows
 
 

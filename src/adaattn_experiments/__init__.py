@@ -1,10 +1,11 @@
 """The studies. A new study is one new file plus one line in ``STUDIES``."""
 
-from adaattn_experiments.ada_modules import CPU_BASELINE, SCALING
 from adaattn_experiments.attention_backends import STUDY as ATTENTION_BACKENDS
+from adaattn_experiments.cpu_baseline import STUDY as CPU_BASELINE
 from adaattn_experiments.kernels import STUDY as KERNELS
 from adaattn_experiments.precision import STUDY as PRECISION
 from adaattn_experiments.rank import STUDY as RANK
+from adaattn_experiments.scaling import STUDY as SCALING
 
 STUDIES = {
     ATTENTION_BACKENDS.name: ATTENTION_BACKENDS,

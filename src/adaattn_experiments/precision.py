@@ -32,10 +32,10 @@ from adaattn.attention.ada import AdaAttention
 from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.harness import Case, Workload
-from adaattn.bench.runner import target_sections
+from adaattn.bench.runner import StudyDef, target_sections
 from adaattn.config import Params, Target
 from adaattn.report.common import Section
-from adaattn_experiments.ada_modules import manager_rows, module_reference
+from adaattn_experiments.modules import manager_rows, module_reference
 
 DTYPE_OF = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -84,7 +84,7 @@ class Block(nn.Module):
         return x + lin(self.mlp[2], F.gelu(lin(self.mlp[0], ln(self.norm2, x))))
 
 
-class PrecisionStudy:
+class PrecisionStudy(StudyDef):
     name = "precision"
     table_ids = ("G2-T3",)  # and G2-T2's precision line, in the G2-T3 section
     config_columns = ["op", "inputs", "batch", "seq_len", "embed_dim", "heads", "head_dim", "dtype"]

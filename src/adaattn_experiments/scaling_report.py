@@ -1,11 +1,8 @@
-"""Reports of the module studies: cpu_baseline (G2-T1) and scaling (G2-B, G2-T2, and the 3% goal).
-
-Rendered from the results table only (see ``ada_modules.py`` for the providers).
-"""
+"""The scaling report (G2-B, G2-T2, and the 3% goal), from the results table only (the providers:
+``modules.py``, the goal's readings: ``scaling.py``)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pandas as pd
@@ -13,101 +10,16 @@ import seaborn as sns
 
 from adaattn.bench.rounds import CI_LEVEL
 from adaattn.report.common import (Section, Verdict, fmt, guide_figures, interval_text, judge, knobs, md_table,
-                                   median_interval, save_figure)
-from adaattn_experiments.side_by_side import LEFT_ROUNDS
+                                   median_interval, one_point_table, save_figure)
+from adaattn_experiments.modules_report import MAIN, metric_table, paired_frame, ratio_text, ratio_verdict
 
-MAIN = ["mha", "standard", "adaattn", "adaattn_auto", "adaattn_noopt"]
 FIGURE_METRICS = ["time_ms", "kernel_ms", "peak_mem_mb"]  # the scaling figures' rows (kernel_ms: CUDA only)
 FIGURE_LABELS = {"time_ms": "ms per call", "kernel_ms": "kernel ms per call", "peak_mem_mb": "peak MiB"}
-def render(study: str, df: pd.DataFrame, out_dir: Path) -> list[Section]:
+def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     runs = df[~df["case_id"].isin(["machine"]) & ~df["case_id"].str.startswith("manager/")].copy()
-    if study == "cpu_baseline":
-        return [_g2_t1(runs)]
     return _scaling(runs, df, out_dir)
 
 
-def _metric(runs: pd.DataFrame, metric: str, value: str = "value") -> pd.DataFrame:
-    ok = runs[(runs["metric"] == metric) & (runs["status"] == "ok")]
-    return ok.pivot_table(index=["target", "hardware", "case_id", "sweep", "batch", "seq_len", "causal", "mode"],
-                          columns="provider", values=value).reset_index()
-
-
-def _g2_t1(runs: pd.DataFrame) -> Section:
-    """From the side-by-side rows: each provider's mean ± std over the rounds, and the verdict on
-    adaattn's time over nn.MultiheadAttention's, round by round (``paired_ratio``)."""
-    guide = guide_figures()["G2-T1"]["figures"]["forward_ms"]
-    if not ((runs["metric"] == "side_by_side_ms") & (runs["status"] == "ok")).any():
-        return Section("G2-T1", "CPU Baseline (Reference)", "No side-by-side timings in these results: rerun "
-                       "`adaattn run cpu_baseline`.\n", [])
-    mean, std = _metric(runs, "side_by_side_ms", "mean"), _metric(runs, "side_by_side_ms", "std")
-    paired = _paired(runs)
-    rows, verdicts = [], []
-    for (_, m), (_, s) in zip(mean.iterrows(), std.iterrows(), strict=True):
-        point = f"B{int(m['batch'])}_S{int(m['seq_len'])}"
-        row = {"target": m["target"], "point": point, "mode": m["mode"]}
-        for p in MAIN:
-            if p in m and pd.notna(m[p]):
-                row[f"{p} ms"] = f"{m[p]:.3g} ± {s[p]:.2g}"
-        ratio = paired.get((m["target"], m["case_id"], m["mode"], "mha"))
-        row["adaattn / mha, per round"] = "-" if ratio is None else _ratio_text(ratio)
-        noopt = paired.get((m["target"], m["case_id"], m["mode"], "adaattn_noopt"))
-        row["adaattn / adaattn_noopt (the guide's standard)"] = "-" if noopt is None else _ratio_text(noopt)
-        row["guide Standard ms"] = guide["standard"].get(point, "-")
-        row["guide GPU Optimized ms"] = guide["gpu_optimized"].get(point, "-")
-        rows.append(row)
-        # the guide's "standard" is AdaAttention without its optimisation (adaattn_noopt); MHA beside it
-        if m["mode"] == "fwd" and point in guide["standard"] and noopt is not None:
-            verdicts.append(Verdict(
-                "G2-T1", f"{point}: GPU-optimized AdaAttn takes the same time as standard on a CPU",
-                f"{guide['gpu_optimized'][point]} vs {guide['standard'][point]} ms (CPU not named)",
-                f"adaattn / adaattn_noopt per round {_ratio_text(noopt)}"
-                + ("" if ratio is None else f"; adaattn / nn.MultiheadAttention {ratio['value']:.3f}"), m["hardware"],
-                _verdict(noopt, 1 - knobs().same_time_tolerance, 1 + knobs().same_time_tolerance),
-                f"same within {knobs().same_time_tolerance:.0%}, on the {CI_LEVEL:.0%} confidence interval of the "
-                "median of the "
-                "per-round ratios (docs/methods.md, Verdicts); the guide's "
-                "absolute ms are from a CPU it does not name, so only the ratio is compared"))
-    md = ("Forward time per call (ms), embed 512, 8 heads, fp32: mean ± standard deviation over rounds in which "
-          "every provider is called once, in a shuffled order (`experiments/side_by_side.py`), so that the "
-          "machine's drift lands on all of them alike; `adaattn / mha, per round`: the median of adaattn's time over "
-          f"nn.MultiheadAttention's in the same round, the {CI_LEVEL:.0%} confidence interval of that median "
-          "(distribution-free) and the rounds' p20-p80. Providers: `mha` nn.MultiheadAttention; "
-          "`standard` matmul-softmax-matmul module; `adaattn` AdaAttention (kernel manager, rank full); "
-          "`adaattn_auto` (precision and rank auto); `adaattn_noopt` (enable_gpu_optimization=False). The harness's "
-          "times of each provider alone, one after another, are the `time_ms` rows of the results. The guide's "
-          "figures are the same for both of its rows.\n\n" + md_table(pd.DataFrame(rows)) + "\n")
-    return Section("G2-T1", "CPU Baseline (Reference)", md, verdicts)
-
-
-def _paired(runs: pd.DataFrame) -> dict[tuple, dict]:
-    """(target, case_id, mode, other provider) -> adaattn's per-round ratio to it: value (p50), p20, p80,
-    and the p50's confidence bounds ci_low, ci_high (unbounded where the results have none)."""
-    return {(r["target"], r["case_id"], r["mode"], r["vs"]): r.to_dict() for _, r in _paired_frame(runs).iterrows()}
-
-
-def _paired_frame(runs: pd.DataFrame, metric: str = "paired_ratio") -> pd.DataFrame:
-    """The ``metric`` rows (``paired_ratio``: time per call; ``goal_kernel_paired_ratio``: kernel time), the
-    other provider in ``vs``, with ``ci_low`` and ``ci_high`` from their ``<metric>_ci_*`` rows."""
-    keys = ["target", "case_id", "mode", "provider"]
-    ok = runs[runs["status"] == "ok"]
-    out = ok[ok["metric"] == metric]
-    for side, fill in (("low", -math.inf), ("high", math.inf)):
-        b = ok[ok["metric"] == f"{metric}_ci_{side}"][[*keys, "value"]].rename(columns={"value": f"ci_{side}"})
-        out = out.merge(b, on=keys, how="left")
-        out[f"ci_{side}"] = out[f"ci_{side}"].fillna(fill)
-    return out.rename(columns={"provider": "vs"})
-
-
-def _ratio_text(r: dict) -> str:
-    return f"{r['value']:.3f} (CI {r['ci_low']:.3f}-{r['ci_high']:.3f}; p20-p80 {r['p20']:.3f}-{r['p80']:.3f})"
-
-
-def _verdict(r: dict, low: float | None, high: float | None) -> str:
-    """A time ratio's median (lower is better) claimed within [low, high]: its confidence interval, by ``judge``."""
-    return judge((r["ci_low"], r["ci_high"]), (low, high), higher_is_better=False)
-
-
-GPU_BOUND = 3.0  # a shape is GPU-bound where the fastest direct call's kernel time is at least this x its host time
 # the goal's readings: (results metric of the per-round ratio, what the ratio is of, which shapes it covers)
 READINGS = {"eager": ("paired_ratio", "time per call, eager, side by side (shuffled rounds)", "GPU-bound"),
             "kernel": ("goal_kernel_paired_ratio", "kernel time, eager (the calls interleaved in one profiler trace)",
@@ -117,9 +29,9 @@ READINGS = {"eager": ("paired_ratio", "time per call, eager, side by side (shuff
 
 
 def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Section]:
-    t = _metric(runs, "time_ms")
-    mem = _metric(runs, "peak_mem_mb")
-    util = _metric(runs, "gpu_util_pct")
+    t = metric_table(runs, "time_ms")
+    mem = metric_table(runs, "peak_mem_mb")
+    util = metric_table(runs, "gpu_util_pct")
     bound = gpu_bound(runs)
     goal, verdicts = _goal_table(runs, bound)
     first, first_verdicts = _first_calls(runs)
@@ -131,6 +43,10 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
             f = in_sweep(frame, sweep)
             if f.empty:
                 continue
+            title = f"G2-B {sweep} sweep on {f['hardware'].iloc[0]} ({target})"
+            if (table := one_point_table(f, x, ["metric", "mode", "provider"], title)) is not None:
+                parts.append(table)
+                continue
             rows = [m for m in FIGURE_METRICS if m in set(f["metric"])]
             grid = sns.relplot(data=f, x=x, y="value", hue="provider",
                                hue_order=[p for p in MAIN if p in set(f["provider"])], row="metric", col="mode",
@@ -141,7 +57,7 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
             for metric, axes in zip(rows, grid.axes, strict=True):
                 axes[0].set_ylabel(FIGURE_LABELS[metric])
             grid.set_xlabels({"seq_len": "sequence length", "batch": "batch"}[x])
-            grid.figure.suptitle(f"G2-B {sweep} sweep on {f['hardware'].iloc[0]} ({target})", y=1.01)
+            grid.figure.suptitle(title, y=1.01)
             name = f"g2_b_{sweep}_{target}.png"
             save_figure(grid.figure, out_dir / name)
             parts.append(f"![{sweep} sweep, {target}]({out_dir.name}/{name})\n")
@@ -173,7 +89,7 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
           f"{knobs().goal_overhead} where the interval lies above it, undecided where it spans it; docs/methods.md). "
           "Eager "
           f"time per call is judged at GPU-bound shapes only (the fastest direct call's kernel time at least "
-          f"{GPU_BOUND:g}x its host time: `kernel / host`); at host-bound shapes it is reported without a goal, as "
+          f"{knobs().gpu_bound:g}x its host time: `kernel / host`); at host-bound shapes it is reported without a goal, as "
           "CUDA graphs and compilation are the answer there (the compiled column). Kernel time and compiled time per "
           "call are judged at every shape.\n\n"
           + (md_table(goal) if len(goal) else "no goal timings in these results") + "\n\n"
@@ -197,13 +113,13 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
           "what the ranking took.\n\n" + (md_table(ranks) if len(ranks) else "none") + "\n")
     return [Section("G2-B", "GPU Benchmarking Suite (batch and sequence scaling)", md,
                     verdicts + first_verdicts + stack_verdicts),
-            _g2_t2(t, mem, _metric(runs, "kernel_ms"))]
+            _g2_t2(t, mem, metric_table(runs, "kernel_ms"))]
 
 
 def gpu_bound(runs: pd.DataFrame) -> dict[tuple, float]:
     """(target, case_id, mode) -> the fastest direct call's kernel time over its host time (CUDA targets only):
     the fastest by the sweep's time per call."""
-    t, k, h = (_metric(runs, m) for m in ("time_ms", "kernel_ms", "host_ms"))
+    t, k, h = (metric_table(runs, m) for m in ("time_ms", "kernel_ms", "host_ms"))
     if k.empty or h.empty:
         return {}
     idx = ["target", "case_id", "mode"]
@@ -242,7 +158,7 @@ def _goal_table(runs: pd.DataFrame, bound: dict[tuple, float]) -> tuple[pd.DataF
             r = f.loc[key].to_dict()
             vs = r["vs"].removeprefix("compiled:").removeprefix("direct:")
             row[name] = f"{r['value']:.3f} ({r['ci_low']:.3f}-{r['ci_high']:.3f}) vs {vs}"
-            counts = name != "eager" or ratio is None or ratio >= GPU_BOUND  # a CPU target: every shape
+            counts = name != "eager" or ratio is None or ratio >= knobs().gpu_bound  # a CPU target: every shape
             if counts:
                 judged.setdefault((target, name), []).append((row, r))
             elif name == "eager":
@@ -254,18 +170,18 @@ def _goal_table(runs: pd.DataFrame, bound: dict[tuple, float]) -> tuple[pd.DataF
     verdicts = []
     for (target, name), points in sorted(judged.items()):
         _, label, shapes = READINGS[name]
-        sides = [_verdict(r, None, knobs().goal_overhead) for _, r in points]
+        sides = [ratio_verdict(r, None, knobs().goal_overhead) for _, r in points]
         above, open_ = sides.count("worse than claimed"), sides.count("inconclusive")
         worst_row, worst = max(points, key=lambda p: p[1]["value"])
         verdicts.append(Verdict(
             "G2-B", f"goal: AdaAttention (rank full) within {knobs().goal_overhead - 1:.0%} of the fastest backend "
             f"called directly, {label}",
             "(issue goal)", f"{above} of {len(points)} shapes x modes above {knobs().goal_overhead}"
-            + (f", {open_} undecided" if open_ else "") + f"; worst {_ratio_text(worst)} at B={worst_row['B']} "
+            + (f", {open_} undecided" if open_ else "") + f"; worst {ratio_text(worst)} at B={worst_row['B']} "
             f"S={worst_row['S']} {worst_row['mode']}", hw.get(target, target),
             "worse than claimed" if above else "inconclusive" if open_ else "holds",
             ("judged at every shape" if shapes == "every" or not any(k[0] == target for k in bound) else
-             f"judged at GPU-bound shapes only (kernel / host >= {GPU_BOUND:g})")
+             f"judged at GPU-bound shapes only (kernel / host >= {knobs().gpu_bound:g})")
             + "; by the confidence interval of the median per-round ratio"))
     return pd.DataFrame(rows), verdicts
 
@@ -304,7 +220,7 @@ def _first_calls(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Verdict]]:
 
 def _stack(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Verdict]]:
     s = runs[(runs["metric"] == "stack_side_by_side_ms") & (runs["status"] == "ok")]
-    ratio = _paired_frame(runs, "stack_paired_ratio")
+    ratio = paired_frame(runs, "stack_paired_ratio")
     if s.empty or ratio.empty:
         return pd.DataFrame(), []
     rows, verdicts = [], []
@@ -314,11 +230,11 @@ def _stack(runs: pd.DataFrame) -> tuple[pd.DataFrame, list[Verdict]]:
         r = ratio[ratio["target"] == target].iloc[0].to_dict()
         c = g.iloc[0]
         rows.append({"target": target, "case": c["case_id"].split("/")[-1], "adaattn step ms": fmt(ms.get("stack:adaattn")),
-                     "sdpa step ms": fmt(ms.get("stack:sdpa")), "adaattn / sdpa, per round": _ratio_text(r)})
+                     "sdpa step ms": fmt(ms.get("stack:sdpa")), "adaattn / sdpa, per round": ratio_text(r)})
         verdicts.append(Verdict(
             "G2-B", f"stack check: AdaAttention's stack at most {knobs().stack_bound}x SDPA's, compiled, training step",
-            "(issue goal)", f"{_ratio_text(r)} ({c['case_id'].split('/')[-1]})", hw.get(target, target),
-            _verdict(r, None, knobs().stack_bound), "by the confidence interval of the median per-round ratio"))
+            "(issue goal)", f"{ratio_text(r)} ({c['case_id'].split('/')[-1]})", hw.get(target, target),
+            ratio_verdict(r, None, knobs().stack_bound), "by the confidence interval of the median per-round ratio"))
     return pd.DataFrame(rows), verdicts
 
 
@@ -329,9 +245,8 @@ def _paired_goal(runs: pd.DataFrame, metric: str = "paired_ratio") -> pd.DataFra
     another faster than it with confidence, is not the fastest and is not among them: its interval, from those
     few rounds, is wide. ``metric``: as ``_paired_frame``."""
     cols = ["target", "case_id", "mode", "batch", "seq_len", "value", "p20", "p80", "vs", "ci_low", "ci_high"]
-    ok = _paired_frame(runs, metric)
-    left = ok["reason"].fillna("").astype(str).str.startswith(LEFT_ROUNDS) if "reason" in ok else False
-    ok = ok[ok["vs"].astype(str).str.contains("direct:") & ~left]
+    ok = paired_frame(runs, metric)
+    ok = ok[ok["vs"].astype(str).str.contains("direct:")]  # an outpaced backend's rows are not "ok"
     if ok.empty:
         return pd.DataFrame(columns=cols)
     group = ok.groupby(["target", "case_id", "mode"])

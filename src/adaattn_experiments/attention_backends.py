@@ -20,14 +20,14 @@ from adaattn.attention.providers import PROVIDERS, AttentionCase
 from adaattn.attention.reference import attention_ref
 from adaattn.bench.compile_cache import FreshCompiles, WarmItem, segments
 from adaattn.bench.harness import Case, Workload
-from adaattn.bench.runner import target_sections
+from adaattn.bench.runner import StudyDef, target_sections
 from adaattn.config import Params, Target
 from adaattn.report.common import Section
 
 SECTION_IDS = ("G1-T2", "G1-T1")
 
 
-class AttentionBackends:
+class AttentionBackends(StudyDef):
     name = "attention_backends"
     table_ids = ("G1-T1", "G1-T2", "G0-C1")
     config_columns = ["batch", "seq_len", "heads", "head_dim", "causal", "dtype"]
