@@ -277,7 +277,7 @@ class RankStudy(StudyDef):
         timer = make_timer(dev, params.bench)
         rows, seen = [], set()
         gen = torch.Generator(device=dev).manual_seed(0)
-        for case, low in self._goal_cases():
+        for case, low in self._goal_cases(params):
             c = case.config
             n = c["batch"] * c["heads"]
             for r in sorted({x.rank for x in map(low_rank_of, low) if x.method == "nystrom"}):  # pooled: no solve
