@@ -118,7 +118,8 @@ def test_rank_study_on_real_inputs(capture):
     assert len(est) == 2 * minilm.HEADS and (est["spectrum_rank_full"] <= 64).all()
     assert len(real[real.metric == "policy_rank"]) == 2
     src = df[df.metric == "real_inputs_source"]
-    assert len(src) == 1 and "text_sha256" in src.kernel.iloc[0] and str(capture) in src.unit.iloc[0]
+    assert len(src) == 1 and "text_sha256" in src.kernel.iloc[0]
+    assert str(capture) in src.reason.iloc[0] and src.unit.iloc[0] == "windows"
 
 
 def test_rank_study_without_the_capture_says_how_to_make_it(capture):
