@@ -106,6 +106,35 @@ def build_app(studies: Mapping[str, Any]) -> typer.Typer:
         Console().print(table)
 
     @app.command()
+    def card(
+        preset: Annotated[str, typer.Argument(help="a preset of params.yaml `models`")],
+        params: PARAMS = Path("params.yaml"),
+        out: Annotated[Path, typer.Option(help="folder of the model cards")] = Path("models"),
+        check: Annotated[bool, typer.Option(help="run the forward and backward check (fp32, on the CPU)")] = True,
+    ) -> None:
+        """Build one preset of the model zoo and write its card, models/<preset>.json: parameters, FLOPs per
+        token (formula and PyTorch's counter), a training step's memory by component, a step's check."""
+        import json
+
+        from adaattn.models.card import model_card
+
+        try:
+            cfg, _ = load_params(params)
+        except ConfigError as err:
+            fail(str(err))
+        if preset not in cfg.models:
+            fail(f"unknown model preset {preset!r}; allowed: {', '.join(cfg.models) or '(none in params.yaml)'}")
+        body = model_card(preset, cfg.models[preset], check=check)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{preset}.json.tmp"
+        tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+        tmp.replace(out / f"{preset}.json")  # a failed build leaves the last card as it was
+        p, f = body["params"], body["flops_per_token"]
+        console.print(f"{preset}: {p['total'] / 1e6:.1f}M parameters ({p['matmul'] / 1e6:.1f}M in matmuls), "
+                      f"{f['formula']['train'] / 1e9:.2f} GFLOP per training token at S={f['seq_len']} "
+                      f"(counter / formula {f['counted_over_formula']:.3f}); wrote {out / (preset + '.json')}")
+
+    @app.command()
     def report(
         params: PARAMS = Path("params.yaml"),
         results: Annotated[Path, typer.Option(help="results root")] = Path("results"),

@@ -19,6 +19,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator,
                       model_validator)
 
+from adaattn.models.config import ModelConfig  # pydantic only: no torch
 from adaattn.names import ATTENTION_PROVIDERS as PROVIDERS
 from adaattn.names import BACKENDS
 
@@ -422,6 +423,35 @@ class G2C1Section(ByProfile):
     gpu: G2C1Rank
 
 
+RUNGS = ("fp32", "tf32", "bf16", "sdpa", "fused_adamw", "compile", "ada", "checkpointing")
+
+
+class TrainingLadder(_Section):
+    """G0-T1 and G0-C1: a preset's training step at one shape, climbing a ladder of optimisations, each rung
+    adding its own to every rung listed before it (``fp32``: eager fp32 with naive attention and AdamW's
+    foreach step; ``tf32``; ``bf16`` autocast; ``sdpa`` attention; ``fused_adamw``; ``compile`` (default
+    mode); ``ada`` (AdaAttention); ``checkpointing`` (full)). The rungs' steps are timed side by side."""
+
+    model: str  # a preset of `models`
+    batch: PositiveInt
+    seq_len: PositiveInt
+    rungs: Annotated[list[Literal[RUNGS]], Field(min_length=1)]  # type: ignore[valid-type]
+    side_by_side: Rounds
+    seed: NonNegativeInt = 0
+
+    @field_validator("rungs")
+    @classmethod
+    def _ladder(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v) or sorted(v, key=RUNGS.index) != v:
+            raise ValueError(f"rungs climb in this order, each once: {', '.join(RUNGS)}; got {', '.join(v)}")
+        return v
+
+
+class G0T1Section(ByProfile):
+    cpu: TrainingLadder
+    gpu: TrainingLadder
+
+
 class Verdicts(_Section):
     """The verdict rule's tolerances and the project's goals' bounds (docs/methods.md, Verdicts): what the
     reports judge by, so that every verdict is regenerated from parameters."""
@@ -456,6 +486,32 @@ class Params(BaseModel):
     g2_b: G2BSection = Field(alias="G2-B")
     g2_c1: G2C1Section = Field(alias="G2-C1")
     study_targets: dict[str, dict[str, Profile]] = {}
+    models: dict[str, ModelConfig] = {}  # the model zoo's presets (adaattn.models)
+    g0_t1: G0T1Section | None = Field(None, alias="G0-T1")
+
+    @model_validator(mode="after")
+    def _ladder_models(self) -> Params:
+        for profile in ("cpu", "gpu"):
+            sec = getattr(self.g0_t1, profile, None) if self.g0_t1 else None
+            if sec is None:
+                continue
+            if sec.model not in self.models:
+                raise ValueError(f"G0-T1.{profile}.model {sec.model!r} is not a preset of models; allowed: "
+                                 f"{', '.join(self.models)}")
+            if sec.seq_len > self.models[sec.model].max_seq_len:
+                raise ValueError(f"G0-T1.{profile}.seq_len={sec.seq_len} is over models.{sec.model}.max_seq_len")
+            if "ada" in sec.rungs and self.models[sec.model].positions != "learned":
+                raise ValueError(f"G0-T1.{profile}.rungs: 'ada' needs models.{sec.model}.positions 'learned' "
+                                 "(AdaAttention takes no rotary positions)")
+        return self
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, v: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        for name in v:
+            if not name.replace("_", "").isalnum() or name != name.lower():
+                raise ValueError(f"model preset name {name!r} must be lower-case letters, digits or '_'")
+        return v
 
     @field_validator("study_targets")
     @classmethod

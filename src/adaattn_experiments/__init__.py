@@ -6,6 +6,7 @@ from adaattn_experiments.kernels import STUDY as KERNELS
 from adaattn_experiments.precision import STUDY as PRECISION
 from adaattn_experiments.rank import STUDY as RANK
 from adaattn_experiments.scaling import STUDY as SCALING
+from adaattn_experiments.training import STUDY as TRAINING
 
 STUDIES = {
     ATTENTION_BACKENDS.name: ATTENTION_BACKENDS,
@@ -14,4 +15,5 @@ STUDIES = {
     RANK.name: RANK,
     SCALING.name: SCALING,
     CPU_BASELINE.name: CPU_BASELINE,
+    TRAINING.name: TRAINING,
 }

@@ -23,13 +23,13 @@ from adaattn.config import Rounds
 
 
 def call_of(w: Workload, mode: str) -> Callable[[], object]:
-    """One call of ``w`` in ``mode``, as the harness times it: "fwd" (run it under ``torch.no_grad``)
-    or "fwd_bwd" (forward and backward with fixed output gradients, the inputs' gradients cleared
-    first; run it under ``torch.enable_grad``)."""
-    if mode == "fwd":
+    """One call of ``w`` in ``mode``, as the harness times it: "fwd" (run it under ``torch.no_grad``),
+    "fwd_bwd" (forward and backward with fixed output gradients, the inputs' gradients cleared first; run it
+    under ``torch.enable_grad``) or "step" (``w.fwd`` is a whole training step; under ``torch.enable_grad``)."""
+    if mode in ("fwd", "step"):  # step: the call is a whole training step (its own backward)
         return w.fwd
     if mode != "fwd_bwd":
-        raise ValueError(f"mode {mode!r} is not one of: fwd, fwd_bwd")
+        raise ValueError(f"mode {mode!r} is not one of: fwd, fwd_bwd, step")
     with torch.enable_grad():
         out = w.fwd()
     outs = out if isinstance(out, tuple) else (out,)

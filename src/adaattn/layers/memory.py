@@ -9,30 +9,54 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 
+CHECKPOINTING = ("none", "full", "selective", "every_k")
+
+
 class GradientCheckpointMixin:
     """For an nn.Module whose forward runs its blocks through ``self.run_blocks(blocks, x)``.
 
-    With checkpointing on (and in training mode), each block's activations are recomputed in the
-    backward instead of kept: less activation memory, one more forward per block.
+    Granularity (``set_checkpointing``): ``none``; ``full``, every block's activations recomputed in the
+    backward instead of kept (less activation memory, one more forward per block); ``every_k``, blocks 0, k,
+    2k, ... only; ``selective``, only the sub-layer a block runs through ``self.checkpointed(...)`` (the
+    attention: its activations grow with S^2 in a naive block, and it is the cheaper half to recompute at
+    short lengths). Checkpointing acts in training mode with grad enabled only.
     """
 
-    _gradient_checkpointing: bool = False
+    checkpointing: str = "none"
+    checkpoint_every: int = 2
 
-    def enable_gradient_checkpointing(self) -> None:
-        self._gradient_checkpointing = True
+    def set_checkpointing(self, granularity: str, every: int = 2) -> None:
+        if granularity not in CHECKPOINTING:
+            raise ValueError(f"checkpointing {granularity!r} is not one of: {', '.join(CHECKPOINTING)}")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"checkpoint_every must be an int >= 1; got {every!r}")
+        self.checkpointing, self.checkpoint_every = granularity, every
+
+    def enable_gradient_checkpointing(self, granularity: str = "full", every: int = 2) -> None:
+        self.set_checkpointing(granularity, every)
 
     def disable_gradient_checkpointing(self) -> None:
-        self._gradient_checkpointing = False
+        self.set_checkpointing("none")
 
     @property
     def gradient_checkpointing(self) -> bool:
-        return self._gradient_checkpointing
+        return self.checkpointing != "none"
+
+    def _active(self) -> bool:
+        return getattr(self, "training", False) and torch.is_grad_enabled()
 
     def run_blocks(self, blocks: Iterable[nn.Module], x: Tensor, *args) -> Tensor:
-        active = self._gradient_checkpointing and getattr(self, "training", False) and torch.is_grad_enabled()
-        for block in blocks:
-            x = checkpoint(block, x, *args, use_reentrant=False) if active else block(x, *args)
+        whole = self._active() and self.checkpointing in ("full", "every_k")
+        step = self.checkpoint_every if self.checkpointing == "every_k" else 1
+        for i, block in enumerate(blocks):
+            x = checkpoint(block, x, *args, use_reentrant=False) if whole and i % step == 0 else block(x, *args)
         return x
+
+    def checkpointed(self, fn: Callable[..., Tensor], *args) -> Tensor:
+        """``fn(*args)``, recomputed in the backward where the granularity is ``selective``."""
+        if self._active() and self.checkpointing == "selective":
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
 
 def _default_input(model: nn.Module, batch_size: int, seq_len: int, device) -> Tensor:

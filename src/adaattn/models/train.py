@@ -1,0 +1,228 @@
+"""Guide 000's API (G0-C2) on PyTorch itself: ``optimize_model``, ``optimize_for_h200``,
+``create_optimized_training_setup`` and ``Trainer.train_step``.
+
+Each function says what it set (``Settings``): a study measures each setting's effect rather than taking
+it on trust, and a user can see what a call changed in the process (TF32 and the allocator are global).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from adaattn.models.config import ModelConfig
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Settings:
+    """What an optimize call set, and why, in words (``notes``)."""
+
+    tf32: bool = False
+    compile_mode: str | None = None
+    dtype: str = "fp32"
+    device: str = "cpu"
+    gpu: str = ""
+    memory_fraction: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _check_mode(compile_mode: str | None) -> None:
+    if compile_mode is not None and compile_mode not in COMPILE_MODES:
+        raise ValueError(f"compile_mode {compile_mode!r} is not one of: {', '.join(COMPILE_MODES)}, or None (eager)")
+
+
+def _check_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def enable_tf32() -> None:
+    """fp32 matmuls and convolutions on tensor cores (TF32: 10-bit mantissa inputs, fp32 accumulation)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+@contextlib.contextmanager
+def tf32_mode(on: bool | None) -> Iterator[None]:
+    """TF32 on or off inside (None: as the process has it), restored after: a step of one configuration next
+    to a step of another in the same process."""
+    if on is None:
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def optimize_model(model: nn.Module, compile_mode: str | None = "default", dtype: str | None = None,
+                   tf32: bool = True) -> tuple[nn.Module, Settings]:
+    """The model with ``dtype`` weights (None: as they are), TF32 on (a process-wide switch) and compiled in
+    ``compile_mode`` (None: eager, the guide's escape hatch). Returns the module to call and what was set;
+    the module's parameters are the model's own (compilation wraps, it does not copy)."""
+    _check_mode(compile_mode)
+    settings = Settings(compile_mode=compile_mode, device=next(model.parameters()).device.type)
+    if dtype is not None:
+        model = model.to(_check_dtype(dtype))
+        settings.dtype = dtype
+    if tf32:
+        enable_tf32()
+        settings.tf32 = True
+    if compile_mode is not None:
+        model = torch.compile(model, mode=compile_mode)
+    return model, settings
+
+
+def optimize_for_h200(model: nn.Module, compile_mode: str | None = "default") -> tuple[nn.Module, Settings]:
+    """Guide 000's H200 defaults: TF32, compilation, and 95% of the GPU's memory for this process. The GPU it
+    runs on is named in the settings' notes: on another GPU the same defaults are applied and said to be
+    applied there (the H100 has the H200's compute and less, slower memory); on a CPU, TF32 and the memory
+    fraction do not apply."""
+    model, settings = optimize_model(model, compile_mode=compile_mode)
+    if torch.cuda.is_available() and settings.device == "cuda":
+        settings.gpu = torch.cuda.get_device_name()
+        torch.cuda.set_per_process_memory_fraction(0.95)
+        settings.memory_fraction = 0.95
+        if "H200" not in settings.gpu:
+            settings.notes.append(f"H200 defaults applied on {settings.gpu}, not an H200")
+    else:
+        settings.notes.append("no CUDA device: TF32 and the memory fraction do not apply; compiled for the CPU")
+    return model, settings
+
+
+class Trainer:
+    """One training step at a time: autocast to ``dtype`` (weights stay fp32: mixed precision), loss, backward
+    (through a GradScaler for fp16, whose range needs it; bf16 does not), gradient clipping, optimizer step.
+
+    ``train_step`` returns the step's metrics as tensors on the device (``loss``, ``grad_norm``) and the
+    token count: reading them (``float(...)``) waits for the GPU, so a loop reads them when it logs."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, dtype: str = "bf16",
+                 grad_clip: float | None = 1.0, tf32: bool | None = None):
+        self.model, self.optimizer, self.tf32 = model, optimizer, tf32
+        self.compute_dtype = _check_dtype(dtype)
+        if grad_clip is not None and not grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 or None; got {grad_clip}")
+        self.grad_clip = grad_clip
+        self.device = next(model.parameters()).device
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=dtype == "fp16")
+        self.steps = 0
+
+    def train_step(self, batch: Tensor | tuple[Tensor, Tensor],
+                   criterion: Callable[[Tensor, Tensor], Tensor] | None = None) -> dict[str, Tensor | int]:
+        """``batch``: tokens (B, S + 1), whose shifted halves are inputs and targets, or (inputs, targets).
+        ``criterion(logits, targets)``: the loss (default: mean cross-entropy over every position)."""
+        inputs, targets = (batch[:, :-1], batch[:, 1:]) if isinstance(batch, Tensor) else batch
+        inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        self.model.train()
+        with tf32_mode(self.tf32):
+            logits = self.forward(inputs)
+            loss = (criterion or _cross_entropy)(logits.float(), targets)
+            self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip is not None else float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"loss": loss.detach(), "grad_norm": norm.detach(), "tokens": targets.numel()}
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """The model's logits as a step computes them (autocast, TF32 as the trainer sets them), in the
+        caller's grad mode and the model's train / eval mode."""
+        autocast = self.compute_dtype != torch.float32
+        with tf32_mode(self.tf32), torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
+            return self.model(inputs)
+
+
+def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's groups: weight decay on matrices (linear weights), none on vectors (norms, biases) and on the
+    embeddings (nanoGPT's and Llama's choice: decaying a lookup table shrinks rare tokens' rows)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, rest, seen = [], [], set()
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 and id(p) not in embeddings else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | dict, lr: float = 3e-4,
+                                    weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                                    compile_mode: str | None = "default", dtype: str = "bf16",
+                                    grad_clip: float | None = 1.0, checkpointing: str | None = None,
+                                    device: str | torch.device | None = None, fused: bool | None = None,
+                                    tf32: bool = True) -> tuple[nn.Module, torch.optim.Optimizer, Trainer]:
+    """(model, optimizer, trainer): the model built (from a config) or taken, on ``device`` (default: CUDA
+    where there is one), checkpointing set where given, TF32 on for its steps (``tf32``), compiled in
+    ``compile_mode``; AdamW fused
+    into one kernel per step (``fused``: None = on CUDA) over ``param_groups``; a
+    ``Trainer`` with autocast to ``dtype`` and gradient clipping."""
+    from adaattn.models import build_model
+
+    _check_mode(compile_mode)
+    _check_dtype(dtype)
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0; got {lr}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = model_or_config.to(device) if isinstance(model_or_config, nn.Module) else \
+        build_model(model_or_config, device=device)
+    if checkpointing is not None:
+        if not hasattr(model, "set_checkpointing"):
+            raise ValueError("checkpointing needs a model with set_checkpointing (a GradientCheckpointMixin)")
+        model.set_checkpointing(checkpointing)
+    if fused is None:
+        fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)
+    compiled, _ = optimize_model(model, compile_mode=compile_mode, tf32=False)  # TF32: per step (the trainer's)
+    return compiled, optimizer, Trainer(compiled, optimizer, dtype=dtype, grad_clip=grad_clip,
+                                        tf32=tf32 if device.type == "cuda" else None)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    return getattr(model, "_orig_mod", model)  # a compiled module's own
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    **meta: int | float | str) -> None:
+    """The model's config and weights (and the optimizer's state where given), written to a temporary file
+    and renamed: a failed save leaves the last checkpoint as it was."""
+    model = _unwrapped(model)
+    body = {"config": model.cfg.model_dump(), "model": model.state_dict(), "meta": meta}
+    if optimizer is not None:
+        body["optimizer"] = optimizer.state_dict()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(body, tmp)
+    os.replace(tmp, path)
+
+
+def load_model(path: Path, device: str | torch.device = "cpu") -> nn.Module:
+    """A ``Transformer`` rebuilt from a checkpoint's config, its weights loaded (strictly: every key)."""
+    from adaattn.models.transformer import Transformer
+
+    body = torch.load(path, map_location=device, weights_only=True)
+    with torch.device(device):
+        model = Transformer(ModelConfig(**body["config"]))
+    model.load_state_dict(body["model"])
+    return model

@@ -1,0 +1,158 @@
+"""The zoo's transformer: one config-driven model (``ModelConfig``), decoder or encoder, in the spirit of
+nanoGPT and gpt-fast: token embedding, ``n_layers`` pre-norm blocks (attention, MLP, residuals), a final
+norm and an LM head (tied to the embedding by default).
+
+Shapes: B batch, S sequence, E dim, H query heads, G kv heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from adaattn.attention.ada import AdaAttention
+from adaattn.layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP, flexible_attention
+from adaattn.models.config import ModelConfig
+
+
+def _norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    return RMSNorm(dim, cfg.norm_eps) if cfg.norm == "rmsnorm" else nn.LayerNorm(dim, cfg.norm_eps, bias=cfg.bias)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden, bias=bias), nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """matmul, softmax, matmul with the S x S scores in memory: the guides' standard attention."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, S, S)
+    if causal:
+        S = q.shape[2]
+        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+class Attention(nn.Module):
+    """Self-attention: one fused q/k/v projection (GQA: G kv heads), positions, the attention core, output
+    projection. ``rope``: the model's one ``RotaryEmbedding`` (its cache shared by every layer)."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None):
+        super().__init__()
+        self.cfg, self.rope = cfg, rope
+        H, G, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.dim, (H + 2 * G) * D, bias=cfg.bias)
+        self.out = nn.Linear(H * D, cfg.dim, bias=cfg.bias)
+        if cfg.positions == "qk_norm_rope":
+            self.q_norm, self.k_norm = nn.Parameter(torch.ones(D)), nn.Parameter(torch.ones(D))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        H, G, D = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
+        q, k, v = self.qkv(x).split([H * D, G * D, G * D], dim=-1)
+        q, k, v = q.view(B, S, H, D), k.view(B, S, G, D), v.view(B, S, G, D)
+        if self.cfg.positions == "rope":
+            q, k = self.rope(q, k)
+        elif self.cfg.positions == "qk_norm_rope":
+            q, k = self.rope.with_qk_norm(q, k, self.q_norm, self.k_norm, self.cfg.norm_eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or G, S, D)
+        causal = self.cfg.causal
+        if self.cfg.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=G != H)
+        elif self.cfg.attention == "flexible":
+            out = flexible_attention(q, k, v, is_causal=causal, backend=self.cfg.flexible_backend)
+        else:
+            out = naive_attention(q, k, v, causal)
+        return self.out(out.transpose(1, 2).reshape(B, S, H * D))
+
+
+class AdaSelfAttention(nn.Module):
+    """AdaAttention as a block's self-attention (its own projections, GQA, policies and kernel manager)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.causal = cfg.causal
+        self.attn = AdaAttention(cfg.dim, cfg.n_heads, num_kv_heads=cfg.kv_heads, bias=cfg.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.attn(x, x, x, need_weights=False, is_causal=self.causal)[0]
+
+
+class Block(GradientCheckpointMixin, nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)); with ``selective`` checkpointing the attention
+    sub-layer's activations are recomputed in the backward."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None):
+        super().__init__()
+        self.norm1, self.norm2 = _norm(cfg, cfg.dim), _norm(cfg, cfg.dim)
+        self.attn = AdaSelfAttention(cfg) if cfg.attention == "ada" else Attention(cfg, rope)
+        self.mlp = SwiGLUMLP(cfg.dim, cfg.hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else \
+            GeluMLP(cfg.dim, cfg.hidden, cfg.bias)
+
+    def _attend(self, x: Tensor) -> Tensor:
+        return self.attn(self.norm1(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.checkpointed(self._attend, x)
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(GradientCheckpointMixin, nn.Module):
+    """tokens (B, S) int64 -> logits (B, S, V). ``set_checkpointing`` changes the granularity after building."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = cfg.vocab_size
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base) \
+            if cfg.positions != "learned" else None
+        self.blocks = nn.ModuleList(Block(cfg, self.rope) for _ in range(cfg.n_layers))
+        self.norm = _norm(cfg, cfg.dim)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.apply(self._init)
+        self.set_checkpointing(cfg.checkpointing, cfg.checkpoint_every)
+
+    def _init(self, m: nn.Module) -> None:
+        """GPT-2's: N(0, 0.02) weights, zero biases, and the residual projections scaled by 1/sqrt(2 x layers)."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        for name in ("out", "down"):
+            proj = getattr(m, name, None)
+            if isinstance(proj, nn.Linear) and isinstance(m, (Attention, GeluMLP, SwiGLUMLP)):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
+
+    def set_checkpointing(self, granularity: str, every: int = 2) -> None:
+        super().set_checkpointing(granularity, every)
+        for block in self.blocks:  # selective: inside each block; the rest: around blocks (``run_blocks``)
+            block.set_checkpointing("selective" if granularity == "selective" else "none")
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        B, S = tokens.shape
+        if S > self.cfg.max_seq_len and self.pos is not None:
+            raise ValueError(f"sequence length {S} is over max_seq_len={self.cfg.max_seq_len} (learned positions)")
+        x = self.embed(tokens)  # (B, S, E)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(S, device=tokens.device))
+        x = self.run_blocks(self.blocks, x)
+        return self.head(self.norm(x))  # (B, S, V)
+
+    def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy of the logits at every position against ``targets`` (B, S); -100 is ignored."""
+        logits = self(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

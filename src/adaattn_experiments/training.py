@@ -1,0 +1,173 @@
+"""The training study (G0-T1, G0-C1): a preset of the model zoo climbing a ladder of optimisations.
+
+Each rung adds its own setting to every rung listed before it (``config.RUNGS``): ``fp32`` (eager, fp32,
+naive attention, AdamW's foreach step), ``tf32``, ``bf16`` (autocast), ``sdpa``, ``fused_adamw``,
+``compile`` (default mode), ``ada`` (AdaAttention), ``checkpointing`` (full). Every rung starts from the
+same weights. The harness measures each rung's forward (time, peak memory: G0-T1's forward figures); the
+rungs' training steps (``Trainer.train_step``: forward, loss, backward, clipping, optimizer step) are timed
+side by side in shuffled rounds (``step_side_by_side_ms``). The model's FLOPs per token come from its card
+(``models.card``), so the report's MFU is model FLOPs over step time against the run's measured GEMM rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from adaattn.bench.harness import Case, Workload, classify_error
+from adaattn.bench.memory import peak_memory_bytes
+from adaattn.bench.runner import StudyDef, target_sections
+from adaattn.bench.side_by_side import side_by_side_rows
+from adaattn.config import Params, Target
+from adaattn.models import ModelConfig
+from adaattn.models.card import flops_per_token, param_counts
+from adaattn.models.train import Trainer, create_optimized_training_setup
+from adaattn.report.common import Section
+
+
+ADA_NAMES = {"attn.qkv.weight": "attn.attn.in_proj_weight", "attn.qkv.bias": "attn.attn.in_proj_bias",
+             "attn.out.weight": "attn.attn.out_proj.weight", "attn.out.bias": "attn.attn.out_proj.bias"}
+
+
+def _as_ada(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The zoo attention's weights under AdaAttention's names (nn.MultiheadAttention's: q, k, v packed in the
+    same order): the ``ada`` rung starts from the same weights as the others."""
+    out = {}
+    for key, value in state.items():
+        name = next((key.replace(a, b) for a, b in ADA_NAMES.items() if key.endswith(a)), key)
+        out[name] = value
+    return out
+
+
+def rung_settings(rungs: list[str], rung: str) -> dict[str, Any]:
+    """What a rung runs with: its own setting and every earlier listed rung's."""
+    on = set(rungs[: rungs.index(rung) + 1])
+    attention = "ada" if "ada" in on else "sdpa" if "sdpa" in on else "naive"
+    return {"tf32": "tf32" in on, "dtype": "bf16" if "bf16" in on else "fp32", "attention": attention,
+            "fused": "fused_adamw" in on, "compile_mode": "default" if "compile" in on else None,
+            "checkpointing": "full" if "checkpointing" in on else "none"}
+
+
+class Training(StudyDef):
+    name = "training"
+    table_ids = ("G0-T1", "G0-C1")
+    config_columns = ["model", "batch", "seq_len"]
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self._sec = None
+        self._cfg: ModelConfig | None = None
+        self._base: dict[str, Tensor] | None = None  # the weights every rung starts from
+        self._trainers: dict[str, Trainer] = {}
+        self._batch: tuple[Tensor, Tensor] | None = None
+
+    def bind(self, device: str) -> Training:
+        return Training(device)
+
+    def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
+        sections = target_sections(raw, target_name, ("G0-T1",))
+        model = sections["G0-T1"]["model"]
+        return {**sections, f"models.{model}": raw["models"][model]}
+
+    def cases(self, params: Params, target: Target) -> list[Case]:
+        sec = getattr(params.g0_t1, target.profile)
+        self._sec, self._cfg = sec, params.models[sec.model]
+        case_id = f"G0-T1/{sec.model}-b{sec.batch}-s{sec.seq_len}"
+        return [Case(case_id=case_id, table_id="G0-T1", providers=tuple(sec.rungs), modes=("fwd",),
+                     config={"model": sec.model, "batch": sec.batch, "seq_len": sec.seq_len})]
+
+    def unavailable(self, provider: str, device: str) -> str | None:
+        if provider == "tf32" and device != "cuda":
+            return "TF32 is a mode of NVIDIA tensor cores; on a CPU this rung is the one before it"
+        return None
+
+    def has_backward(self, provider: str) -> bool:
+        return True
+
+    def reference(self, case: Case) -> Tensor | None:
+        return None  # the rungs are compared on time and memory; a model's numerics: tests/test_models.py
+
+    def _inputs(self) -> tuple[Tensor, Tensor]:
+        if self._batch is None:
+            g = torch.Generator().manual_seed(self._sec.seed)
+            t = torch.randint(0, self._cfg.vocab_size, (self._sec.batch, self._sec.seq_len + 1), generator=g)
+            t = t.to(self.device)
+            self._batch = (t[:, :-1], t[:, 1:])
+        return self._batch
+
+    def trainer(self, rung: str) -> Trainer:
+        """The rung's model, optimizer and trainer (built once; every rung from the same initial weights)."""
+        if rung not in self._trainers:
+            s = rung_settings(list(self._sec.rungs), rung)
+            cfg = ModelConfig(**{**self._cfg.model_dump(), "attention": s["attention"]})
+            if self._base is None:
+                torch.manual_seed(self._sec.seed)
+                base, _, _ = create_optimized_training_setup(self._cfg, compile_mode=None, device=self.device)
+                self._base = copy.deepcopy(base.state_dict())
+                del base
+            model, _, trainer = create_optimized_training_setup(
+                cfg, compile_mode=s["compile_mode"], dtype=s["dtype"], checkpointing=s["checkpointing"],
+                device=self.device, fused=s["fused"], tf32=s["tf32"])
+            state = _as_ada(self._base) if s["attention"] == "ada" else self._base
+            getattr(model, "_orig_mod", model).load_state_dict(state)
+            self._trainers[rung] = trainer
+        return self._trainers[rung]
+
+    def flops(self) -> float:
+        """Model FLOPs of one forward of the batch (the card's formula: a third of a training step's)."""
+        with torch.device("meta"):
+            from adaattn.models.transformer import Transformer
+
+            meta = Transformer(self._cfg)
+        per_token = flops_per_token(self._cfg, param_counts(meta)["matmul"], self._sec.seq_len)
+        return per_token["forward"] * self._sec.batch * self._sec.seq_len
+
+    def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
+        trainer = self.trainer(provider)
+        x, _ = self._inputs()
+        trainer.model.train()
+        return Workload(fwd=lambda: trainer.forward(x), inputs=[], flops_fwd=self.flops())
+
+    def _step(self, rung: str) -> Workload:
+        trainer, batch = self.trainer(rung), self._inputs()
+        return Workload(fwd=lambda: trainer.train_step(batch), inputs=[])
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        """The rungs' training steps side by side, and the model FLOPs a step does (for MFU)."""
+        (case,) = self.cases(params, target)
+        base = {"table_id": "G0-T1", "case_id": case.case_id, "kernel": "", **case.config}
+        rungs = [r for r in case.providers if self.unavailable(r, self.device) is None]
+        rows = side_by_side_rows([(base, "step", {r: functools.partial(self._step, r) for r in rungs})],
+                                 self.device, keep=rungs, rounds=self._sec.side_by_side, seed=self._sec.seed,
+                                 prefix="step_")
+        rows.append({**base, "provider": "model", "mode": "step", "metric": "model_flops", "value": 3 * self.flops(),
+                     "unit": "FLOP", "status": "ok", "reason": "6N + 12 L H D S per token (the model's card)"})
+        for rung in rungs:  # a step's memory: the rung's weights, gradients and optimizer state, and its peak
+            trainer = self.trainer(rung)
+            state = [t for st in trainer.optimizer.state.values() for t in st.values() if isinstance(t, Tensor)]
+            held = sum(t.numel() * t.element_size() for t in [*trainer.model.parameters(), *state])
+            row = {**base, "provider": rung, "mode": "step", "metric": "step_peak_mem_mb", "unit": "MiB"}
+            try:
+                with torch.enable_grad():
+                    peak = peak_memory_bytes(lambda: trainer.train_step(self._inputs()), self.device)
+            except Exception as err:  # noqa: BLE001 - out of memory (say) is a status row; the others go on
+                status, reason = classify_error(err)
+                rows.append({**row, "value": None, "status": status, "reason": reason})
+                continue
+            rows.append({**row, "value": (held + peak) / 2**20, "status": "ok",
+                         "reason": "weights and optimizer state held, and one step's peak over them"})
+        return rows
+
+    def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
+        from adaattn_experiments.training_report import render
+
+        return render(df, out_dir)
+
+
+STUDY = Training()

@@ -1,0 +1,106 @@
+"""The training report (G0-T1, G0-C1), from the results table only (the ladder: ``training.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from adaattn.report.common import Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table
+
+GPU_CLAIM = "a claim about an H200; this target is a CPU"
+
+
+def _value(runs: pd.DataFrame, metric: str, mode: str) -> pd.DataFrame:
+    ok = runs[(runs["metric"] == metric) & (runs["mode"] == mode) & (runs["status"] == "ok")]
+    return ok.set_index(["target", "provider"])
+
+
+def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
+    runs = df[df["case_id"] != "machine"]
+    gemm = df[(df["case_id"] == "machine") & (df["metric"] == "gemm_tflops")].set_index("target")["value"]
+    fwd, mem = _value(runs, "time_ms", "fwd"), _value(runs, "peak_mem_mb", "fwd")
+    step, step_mem = _value(runs, "step_side_by_side_ms", "step"), _value(runs, "step_peak_mem_mb", "step")
+    flops = runs[runs["metric"] == "model_flops"].set_index("target")["value"]
+    cpus = cpu_targets(df)
+    rows, t1, c1 = [], [], []
+    for (target, case_id), frame in runs[runs["metric"] == "time_ms"].groupby(["target", "case_id"], sort=False):
+        hw, tokens = frame["hardware"].iloc[0], int(frame["batch"].iloc[0] * frame["seq_len"].iloc[0])
+        order = list(dict.fromkeys(frame["provider"]))
+        prev = None
+        for rung in order:
+            key = (target, rung)
+            f_ms = fwd["value"].get(key)
+            s_ms = step["value"].get(key)
+            mfu = flops.get(target) / (s_ms / 1e3) / (gemm.get(target) * 1e12) if s_ms and target in gemm else None
+            gain = prev / s_ms if prev and s_ms else None
+            rows.append({"target": target, "rung": f"+{rung}" if prev is not None or rung != order[0] else rung,
+                         "forward ms": fmt(f_ms), "forward tokens/s": fmt(tokens / f_ms * 1e3 if f_ms else None),
+                         "forward peak MiB": fmt(mem["value"].get(key)), "step ms": fmt(s_ms),
+                         "step tokens/s": fmt(tokens / s_ms * 1e3 if s_ms else None),
+                         "step peak MiB": fmt(step_mem["value"].get(key)), "MFU (measured GEMM)": fmt(mfu),
+                         "step gain over the rung before": fmt(gain)})
+            if s_ms:
+                prev = s_ms
+        t1 += _g0_t1(target, hw, fwd, step_mem, flops, tokens, gemm, target in cpus, case_id)
+        c1 += _g0_c1(target, hw, step, order, target in cpus)
+    md = ("Each rung adds its setting to every rung above it, from the same initial weights (`training.py`). "
+          "Forward: the harness, one rung at a time; step: `Trainer.train_step` (forward, loss, backward, "
+          "clipping, AdamW), the rungs' steps side by side in shuffled rounds (median). MFU: the card's model "
+          "FLOPs (6N + 12 L H D S per token, docs/models.md) over the step time, against the GEMM rate "
+          "measured at the start of the same run (bf16 on a GPU, fp32 on a CPU). Step MiB: the rung's weights and "
+          "optimizer state, and one step's peak over them.\n\n" + (md_table(pd.DataFrame(rows)) if rows else "no results")
+          + "\n")
+    return [Section("G0-T1", "Performance Metrics (training ladder)", md, t1),
+            Section("G0-C1", "Core optimizations, rung by rung", "The gains are in the G0-T1 table's last column "
+                    "(median step time of the rung before over this rung's, in one run).\n", c1)]
+
+
+def _g0_t1(target: str, hw: str, fwd: pd.DataFrame, mem: pd.DataFrame, flops: pd.Series, tokens: int,
+           gemm: pd.Series, cpu: bool, case_id: str) -> list[Verdict]:
+    guide = guide_figures()["G0-T1"]["figures"]
+    mine = fwd.loc[target] if target in fwd.index.get_level_values(0) else pd.DataFrame()
+    if mine.empty:
+        return []
+    best = mine["value"].idxmin()
+    ms, mib = mine.loc[best, "value"], mem["value"].get((target, best))
+    rate = tokens / ms * 1e3
+    need = guide["tokens_per_s"] * flops.get(target, float("nan")) / 3 / tokens  # forward FLOP/s for 125M tokens/s
+    shape = case_id.split("/")[-1]
+    out = []
+    for claim, g, value, higher, tol, unit in (
+            ("forward pass ~4.2 ms", guide["forward_ms"], ms, False, knobs().guide_ratio_tolerance, "ms"),
+            ("memory ~2.1 GB", guide["memory_gb"], mib * 2**20 / 1e9 if mib else float("nan"), False,
+             knobs().guide_memory_tolerance, "GB"),
+            ("throughput ~125M tokens/s", guide["tokens_per_s"], rate, True, knobs().guide_ratio_tolerance,
+             "tokens/s")):
+        verdict = "not measurable here" if cpu else judge((value, value), (g, g), higher, tol)
+        reason = GPU_CLAIM if cpu else (f"the fastest rung's forward ({best}) at {shape}, the guide naming no batch"
+                                        + ("; memory: that rung's training step (weights, optimizer state, peak)"
+                                           if unit == "GB" else ""))
+        if unit == "tokens/s" and not cpu:
+            reason += (f"; {g:.3g} tokens/s of this model's forward is {need / 1e15:.3g} PFLOP/s, "
+                       f"{need / (gemm.get(target, float('nan')) * 1e12):.3g}x the GEMM rate measured here")
+        out.append(Verdict("G0-T1", claim, f"{g:g} {unit}", f"{value:.4g} {unit}", hw, verdict, reason))
+    return out
+
+
+def _g0_c1(target: str, hw: str, step: pd.DataFrame, order: list[str], cpu: bool) -> list[Verdict]:
+    figures = guide_figures()["G0-C1"]["figures"]
+    out = []
+    for rung, claim, band in (("sdpa", "SDPA 10-15x faster than naive attention (whole training step)",
+                               figures["sdpa_vs_naive_speedup"]),
+                              ("compile", "torch.compile 10-30% more (whole training step)",
+                               figures["compile_extra_speedup"])):
+        if rung not in order or order.index(rung) == 0:
+            continue
+        timed = [r for r in order[: order.index(rung)] if step["value"].get((target, r)) is not None]
+        now = step["value"].get((target, rung))
+        if not timed or now is None:
+            continue
+        before = step["value"][(target, timed[-1])]  # the nearest rung before it with a step (tf32: a GPU's)
+        gain = before / now
+        verdict = "not measurable here" if cpu else judge((gain, gain), tuple(band), True, knobs().guide_ratio_tolerance)
+        out.append(Verdict("G0-C1", claim, f"{band[0]:g}-{band[1]:g}x", f"{gain:.3g}x (median steps, one run)", hw,
+                           verdict, GPU_CLAIM if cpu else f"+{rung} over the rung before it"))
+    return out

@@ -1,0 +1,223 @@
+"""The model zoo on the CPU: every preset builds (its tiny variant: the same code at toy sizes) and trains a
+step; compiled with fullgraph; checkpointing at every granularity gives the gradients of none; the FLOP
+formula agrees with PyTorch's counter; the memory estimator's arithmetic; bad configs name their key."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaattn.config import ConfigError, load_params
+from adaattn.models import ModelConfig, Transformer, build_model, tiny
+from adaattn.models.card import counted_flops_per_token, estimate_memory, flops_per_token, model_card, param_counts
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+PRESETS = load_params(PARAMS)[0].models
+
+
+def _batch(cfg: ModelConfig, b: int = 2, s: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+VARIANTS = {
+    "sdpa_rope_swiglu": {},
+    "gqa_naive": {"attention": "naive", "n_kv_heads": 2},
+    "flexible_qk_norm": {"attention": "flexible", "flexible_backend": "sdpa", "positions": "qk_norm_rope"},
+    "ada_gelu_layernorm": {"attention": "ada", "positions": "learned", "mlp": "gelu", "norm": "layernorm"},
+    "encoder_untied": {"kind": "encoder", "tie_embeddings": False, "bias": True},
+}
+
+
+def _small(**kw) -> ModelConfig:
+    return ModelConfig(**{"vocab_size": 97, "dim": 64, "n_layers": 3, "n_heads": 4, "max_seq_len": 32, **kw})
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_and_trains_a_step_at_toy_size(name):
+    cfg = tiny(PRESETS[name])
+    model = build_model(cfg)
+    tokens, targets = _batch(cfg)
+    loss = model.loss(tokens, targets)
+    loss.backward()
+    assert model(tokens).shape == (*tokens.shape, cfg.vocab_size)
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.5  # about uniform at initialisation
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_run_and_a_decoder_is_causal(variant):
+    cfg = _small(**VARIANTS[variant])
+    model = Transformer(cfg).eval()
+    tokens, _ = _batch(cfg)
+    with torch.no_grad():
+        out = model(tokens)
+        changed = tokens.clone()
+        changed[:, -1] = (changed[:, -1] + 1) % cfg.vocab_size
+        out2 = model(changed)
+    same_prefix = torch.allclose(out[:, :-1], out2[:, :-1], atol=1e-5)
+    assert same_prefix == (cfg.kind == "decoder")  # an encoder's earlier positions see the last token
+
+
+def test_rope_cache_is_shared_by_every_layer():
+    model = Transformer(_small())
+    ropes = {id(b.attn.rope) for b in model.blocks}
+    assert ropes == {id(model.rope)}
+
+
+def test_tied_head_is_the_embedding_and_counts_once():
+    model = Transformer(_small())
+    assert model.head.weight is model.embed.weight
+    counts = param_counts(model)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["matmul"] == counts["non_embedding"] - _norm_params(model) + 97 * 64
+
+
+def _norm_params(model: Transformer) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective", "every_k"])
+def test_checkpointing_gives_the_gradients_of_none(granularity):
+    torch.manual_seed(0)
+    model = Transformer(_small(attention="naive"))
+    tokens, targets = _batch(model.cfg)
+    grads = []
+    for g in ("none", granularity):
+        model.zero_grad()
+        model.set_checkpointing(g, every=2)
+        model.loss(tokens, targets).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpointing_recomputes_the_parts_it_names():
+    """Forward calls of each sub-layer in one training step: a checkpointed part runs twice (counted as it starts:
+    a recomputation stops once it has the last tensor the backward needs, before the sub-layer returns)."""
+    model = Transformer(_small(n_layers=4))
+    calls = {"attn": 0, "mlp": 0}
+    for block in model.blocks:
+        block.attn.register_forward_pre_hook(lambda *_: calls.__setitem__("attn", calls["attn"] + 1))
+        block.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__("mlp", calls["mlp"] + 1))
+    tokens, targets = _batch(model.cfg)
+    expected = {"none": (4, 4), "full": (8, 8), "selective": (8, 4), "every_k": (6, 6)}  # every 2nd of 4 blocks
+    for g, (attn, mlp) in expected.items():
+        model.set_checkpointing(g, every=2)
+        calls.update(attn=0, mlp=0)
+        model.loss(tokens, targets).backward()
+        assert (calls["attn"], calls["mlp"]) == (attn, mlp), g
+    with pytest.raises(ValueError, match="not one of: none, full, selective, every_k"):
+        model.set_checkpointing("blocks")
+
+
+def test_compiles_with_fullgraph():
+    cfg = _small()
+    model = Transformer(cfg)
+    tokens, _ = _batch(cfg)
+    eager = model(tokens)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(tokens), eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["sdpa_rope_swiglu", "gqa_naive", "ada_gelu_layernorm"])
+def test_flop_formula_agrees_with_the_counter(variant):
+    cfg = _small(**VARIANTS[variant])
+    model = Transformer(cfg)
+    formula = flops_per_token(cfg, param_counts(model)["matmul"], 32)
+    counted = counted_flops_per_token(model, 32)
+    assert counted["train"] == pytest.approx(formula["train"], rel=0.02)
+    assert counted["forward"] == pytest.approx(formula["forward"], rel=0.02)
+
+
+def test_memory_estimate_by_hand():
+    """One layer, fp32, B=1, S=4, dim 8, 2 heads, GQA off, SwiGLU hidden 16: per token the attention
+    sub-layer keeps 2*8 + (2+2*1... counted below) elements, the MLP 2*8 + 3*16."""
+    cfg = ModelConfig(vocab_size=10, dim=8, n_layers=1, n_heads=2, mlp_hidden=16, max_seq_len=4)
+    params = {"total": 1000}
+    m = estimate_memory(cfg, params, batch=1, seq_len=4, dtype="fp32")
+    E, H, D, F, T = 8, 2, 4, 16, 4
+    attn = T * ((2 * E + 3 * H * D + H * D) * 4 + H * 4)
+    mlp = T * (2 * E + 3 * F) * 4
+    logits = T * 10 * (4 + 4)
+    assert m["activations"] == attn + mlp + T * E * 4 + logits
+    assert (m["weights"], m["gradients"], m["optimizer"]) == (4000, 4000, 8000)
+    full = estimate_memory(cfg, params, batch=1, seq_len=4, dtype="fp32", checkpointing="full")
+    assert full["activations"] == T * E * 4 + attn + mlp + T * E * 4 + logits
+    bf16 = estimate_memory(cfg, params, batch=1, seq_len=4, dtype="bf16")
+    assert bf16["optimizer"] == 8000 + 4000  # AdamW's states and the fp32 master weights
+
+
+def test_model_card_holds_counts_flops_memory_and_a_step():
+    card = model_card("toy", _small())
+    assert card["params"]["total"] > 0 and card["flops_per_token"]["counted_over_formula"] == pytest.approx(1, rel=0.02)
+    assert set(card["memory_estimate_bytes"]["by_checkpointing"]) == {"none", "full", "selective", "every_k"}
+    assert card["step_check"]["grads_finite"] and abs(card["step_check"]["loss_at_init"] - math.log(97)) < 0.5
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"attention": "flash3"}, "attention"),
+    ({"n_heads": 5}, "must divide dim"),
+    ({"n_kv_heads": 3}, "must divide n_heads"),
+    ({"dim": -8}, "dim"),
+    ({"attention": "ada", "positions": "rope"}, "positions must be 'learned'"),
+    ({"mlp": "relu"}, "mlp"),
+])
+def test_bad_model_configs_name_the_key(update, message, tmp_path):
+    import yaml
+
+    raw = yaml.safe_load(PARAMS.read_text())
+    name = sorted(raw["models"])[0]
+    raw["models"][name] = {**raw["models"][name], **update}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as err:
+        load_params(path)
+    assert f"models.{name}" in str(err.value) and message in str(err.value)
+
+
+def test_trainer_steps_lower_the_loss_and_a_checkpoint_loads_back(tmp_path):
+    """A few AdamW steps on one tiny batch (fp32 and bf16 autocast) lower its loss; the saved model loads back
+    into the same outputs."""
+    from adaattn.models.train import create_optimized_training_setup, load_model, save_checkpoint
+
+    for dtype in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model, optimizer, trainer = create_optimized_training_setup(
+            _small(), lr=3e-3, compile_mode=None, dtype=dtype, device="cpu")
+        tokens = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(1))
+        losses = [float(trainer.train_step(tokens)["loss"]) for _ in range(8)]
+        assert losses[-1] < 0.8 * losses[0], (dtype, losses)
+        assert trainer.steps == 8 and not trainer.scaler.is_enabled()
+    path = tmp_path / "ckpt" / "model.pt"
+    save_checkpoint(path, model, optimizer, step=8)
+    loaded = load_model(path)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(tokens[:, :-1]), model(tokens[:, :-1]))
+    assert not list(path.parent.glob(".*.tmp"))
+
+
+def test_setup_groups_decay_and_rejects_bad_arguments():
+    from adaattn.models.train import Trainer, create_optimized_training_setup, optimize_model, param_groups
+
+    model = Transformer(_small(bias=True))
+    decay, rest = param_groups(model, 0.1)
+    assert all(p.dim() == 2 for p in decay["params"]) and id(model.embed.weight) not in map(id, decay["params"])
+    n = len({id(p) for p in model.parameters()})
+    assert len(decay["params"]) + len(rest["params"]) == n and rest["weight_decay"] == 0.0
+    with pytest.raises(ValueError, match="compile_mode 'max_performance' is not one of: default"):
+        optimize_model(model, compile_mode="max_performance")
+    with pytest.raises(ValueError, match="dtype 'int8' is not one of: fp32, bf16, fp16"):
+        create_optimized_training_setup(_small(), dtype="int8", compile_mode=None, device="cpu")
+    with pytest.raises(ValueError, match="checkpointing 'some' is not one of"):
+        create_optimized_training_setup(_small(), checkpointing="some", compile_mode=None, device="cpu")
+    opt = torch.optim.AdamW(model.parameters())
+    assert Trainer(model, opt, dtype="fp16").scaler.is_enabled()  # fp16's range needs loss scaling
+    with pytest.raises(ValueError, match="grad_clip must be > 0"):
+        Trainer(model, opt, grad_clip=0)

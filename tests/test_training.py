@@ -1,0 +1,71 @@
+"""The training study (G0-T1, G0-C1) on the CPU at toy size: every rung runs from the same weights, the
+steps are timed side by side, the step's memory and model FLOPs are rows, and the report renders."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from adaattn.bench.harness import Harness
+from adaattn.bench.roofline import Ceilings
+from adaattn.bench.timing import CpuTimer
+from adaattn.config import ConfigError, load_raw, validate
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+SMALL = {"batch": 1, "seq_len": 16, "rungs": ["fp32", "tf32", "sdpa", "ada", "checkpointing"],
+         "side_by_side": {"budget_ms": 1, "min_rounds": 6, "max_rounds": 6}}
+
+
+def _params(profile_update=None, raw_update=None):
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["models"]["g0_small"].update({"dim": 64, "n_layers": 2, "vocab_size": 128, "max_seq_len": 32})
+    raw["G0-T1"]["cpu"].update({**SMALL, **(profile_update or {})})
+    for key, value in (raw_update or {}).items():
+        raw[key] = value
+    return validate(raw)
+
+
+def test_the_ladder_runs_every_rung_from_the_same_weights(tmp_path):
+    from adaattn_experiments.training import STUDY
+    from adaattn_experiments.training_report import render
+
+    params = _params()
+    study = STUDY.bind("cpu")
+    cases = study.cases(params, params.targets["cpu"])
+    h = Harness("cpu", CpuTimer(1, 2), Ceilings(10.0, 1.0, "fp32", 64), **study.harness_options(
+        params, params.targets["cpu"]))
+    # the same first loss on every rung that keeps fp32 numerics (naive vs SDPA vs AdaAttention attention)
+    batch = study._inputs()
+    losses = dict.fromkeys(("fp32", "sdpa", "ada"))
+    with torch.no_grad():
+        for r in losses:
+            logits = study.trainer(r).forward(batch[0])
+            losses[r] = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten()).item()
+    assert losses["sdpa"] == pytest.approx(losses["fp32"], rel=1e-5)
+    assert losses["ada"] == pytest.approx(losses["fp32"], rel=1e-5)
+    rows = h.run(study, cases) + study.extra_rows(params, params.targets["cpu"])
+    df = pd.DataFrame([{**r, "target": "cpu", "hardware": "test cpu"} for r in rows])
+    t = df[df.metric == "time_ms"].set_index("provider")
+    assert t.loc["tf32", "status"] == "unavailable" and (t.drop("tf32").status == "ok").all()
+    steps = df[df.metric == "step_side_by_side_ms"]
+    assert set(steps.provider) == {"fp32", "sdpa", "ada", "checkpointing"} and (steps.samples == 6).all()
+    assert (df[df.metric == "step_peak_mem_mb"].value > 0).all() and (df[df.metric == "model_flops"].value > 0).all()
+    t1, c1 = render(df, tmp_path)
+    assert "+checkpointing" in t1.markdown and {v.verdict for v in t1.verdicts} == {"not measurable here"}
+    assert [v.claim for v in c1.verdicts] == ["SDPA 10-15x faster than naive attention (whole training step)"]
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"rungs": ["sdpa", "fp32"]}, "rungs climb in this order"),
+    ({"rungs": ["warp"]}, "rungs"),
+    ({"model": "gpt5"}, "G0-T1.cpu.model 'gpt5' is not a preset of models"),
+    ({"seq_len": 4096}, "is over models.g0_small.max_seq_len"),
+])
+def test_bad_ladders_name_the_key(update, message):
+    with pytest.raises(ConfigError) as err:
+        _params(update)
+    assert message in str(err.value)
