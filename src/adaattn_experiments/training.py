@@ -148,6 +148,9 @@ class Training(StudyDef):
                                  prefix="step_")
         rows.append({**base, "provider": "model", "mode": "step", "metric": "model_flops", "value": 3 * self.flops(),
                      "unit": "FLOP", "status": "ok", "reason": "6N + 12 L H D S per token (the model's card)"})
+        weights = sum(p.numel() * p.element_size() for p in self.trainer(rungs[0]).model.parameters())
+        rows.append({**base, "provider": "model", "mode": "fwd", "metric": "weights_mb", "value": weights / 2**20,
+                     "unit": "MiB", "status": "ok", "reason": "the parameters, fp32 (autocast computes in bf16)"})
         for rung in rungs:  # a step's memory: the rung's weights, gradients and optimizer state, and its peak
             trainer = self.trainer(rung)
             state = [t for st in trainer.optimizer.state.values() for t in st.values() if isinstance(t, Tensor)]

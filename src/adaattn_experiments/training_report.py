@@ -22,6 +22,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     fwd, mem = _value(runs, "time_ms", "fwd"), _value(runs, "peak_mem_mb", "fwd")
     step, step_mem = _value(runs, "step_side_by_side_ms", "step"), _value(runs, "step_peak_mem_mb", "step")
     flops = runs[runs["metric"] == "model_flops"].set_index("target")["value"]
+    weights = runs[runs["metric"] == "weights_mb"].set_index("target")["value"]
     cpus = cpu_targets(df)
     rows, t1, c1 = [], [], []
     for (target, case_id), frame in runs[runs["metric"] == "time_ms"].groupby(["target", "case_id"], sort=False):
@@ -42,9 +43,9 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                          "step gain over the rung before": fmt(gain)})
             if s_ms:
                 prev = s_ms
-        t1 += _g0_t1(target, hw, fwd, step_mem, flops, tokens, gemm, target in cpus, case_id)
+        t1 += _g0_t1(target, hw, fwd, mem, weights, flops, tokens, gemm, target in cpus, case_id)
         c1 += _g0_c1(target, hw, step, order, target in cpus)
-    md = ("Each rung adds its setting to every rung above it, from the same initial weights (`training.py`). "
+    md = ("Forward peak MiB: over the weights (the `weights_mb` row). Each rung adds its setting to every rung above it, from the same initial weights (`training.py`). "
           "Forward: the harness, one rung at a time; step: `Trainer.train_step` (forward, loss, backward, "
           "clipping, AdamW), the rungs' steps side by side in shuffled rounds (median). MFU: the card's model "
           "FLOPs (6N + 12 L H D S per token, docs/models.md) over the step time, against the GEMM rate "
@@ -56,28 +57,32 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                     "(median step time of the rung before over this rung's, in one run).\n", c1)]
 
 
-def _g0_t1(target: str, hw: str, fwd: pd.DataFrame, mem: pd.DataFrame, flops: pd.Series, tokens: int,
-           gemm: pd.Series, cpu: bool, case_id: str) -> list[Verdict]:
+def _g0_t1(target: str, hw: str, fwd: pd.DataFrame, mem: pd.DataFrame, weights: pd.Series, flops: pd.Series,
+           tokens: int, gemm: pd.Series, cpu: bool, case_id: str) -> list[Verdict]:
     guide = guide_figures()["G0-T1"]["figures"]
     mine = fwd.loc[target] if target in fwd.index.get_level_values(0) else pd.DataFrame()
     if mine.empty:
         return []
     best = mine["value"].idxmin()
-    ms, mib = mine.loc[best, "value"], mem["value"].get((target, best))
+    ms = mine.loc[best, "value"]
+    mib = mem["value"].get((target, best), float("nan")) + weights.get(target, float("nan"))  # a forward's memory
     rate = tokens / ms * 1e3
     need = guide["tokens_per_s"] * flops.get(target, float("nan")) / 3 / tokens  # forward FLOP/s for 125M tokens/s
     shape = case_id.split("/")[-1]
     out = []
     for claim, g, value, higher, tol, unit in (
             ("forward pass ~4.2 ms", guide["forward_ms"], ms, False, knobs().guide_ratio_tolerance, "ms"),
-            ("memory ~2.1 GB", guide["memory_gb"], mib * 2**20 / 1e9 if mib else float("nan"), False,
+            ("memory ~2.1 GB", guide["memory_gb"], mib * 2**20 / 1e9, False,
              knobs().guide_memory_tolerance, "GB"),
             ("throughput ~125M tokens/s", guide["tokens_per_s"], rate, True, knobs().guide_ratio_tolerance,
              "tokens/s")):
         verdict = "not measurable here" if cpu else judge((value, value), (g, g), higher, tol)
         reason = GPU_CLAIM if cpu else (f"the fastest rung's forward ({best}) at {shape}, the guide naming no batch"
-                                        + ("; memory: that rung's training step (weights, optimizer state, peak)"
-                                           if unit == "GB" else ""))
+                                        + ("; memory: the weights and the forward's peak over them" if unit == "GB"
+                                           else ""))
+        if unit == "ms" and not cpu:  # the guide's two figures together say how many tokens a forward holds
+            reason += (f"; with its {guide['tokens_per_s']:.3g} tokens/s, the guide's {g:g} ms is "
+                       f"{guide['tokens_per_s'] * g / 1e3:.3g} tokens a forward")
         if unit == "tokens/s" and not cpu:
             reason += (f"; {g:.3g} tokens/s of this model's forward is {need / 1e15:.3g} PFLOP/s, "
                        f"{need / (gemm.get(target, float('nan')) * 1e12):.3g}x the GEMM rate measured here")
