@@ -18,8 +18,8 @@ class GradientCheckpointMixin:
     Granularity (``set_checkpointing``): ``none``; ``full``, every block's activations recomputed in the
     backward instead of kept (less activation memory, one more forward per block); ``every_k``, blocks 0, k,
     2k, ... only; ``selective``, only the sub-layer a block runs through ``self.checkpointed(...)`` (the
-    attention: its activations grow with S^2 in a naive block, and it is the cheaper half to recompute at
-    short lengths). Checkpointing acts in training mode with grad enabled only.
+    zoo's blocks: the attention, whose activations grow with S^2 in a naive block). Checkpointing acts in
+    training mode with grad enabled only.
     """
 
     checkpointing: str = "none"

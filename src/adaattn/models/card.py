@@ -84,15 +84,14 @@ def _on_meta(model: nn.Module) -> nn.Module:
 
 
 def estimate_memory(cfg: ModelConfig, params: dict[str, int], batch: int, seq_len: int, dtype: str = "bf16",
-                    checkpointing: str = "none") -> dict[str, float]:
-    """Bytes of one training step by component: weights and gradients in ``dtype``, AdamW's two fp32 states,
-    an fp32 master copy where ``dtype`` is not fp32, and the activations the backward keeps (per layer, the
-    tensors each op saves; with checkpointing, what the recomputed blocks keep instead). Attention through a
-    fused kernel keeps its output and log-sum-exp; the naive one its S x S probabilities too."""
-    b = DTYPE_BYTES[dtype]
+                    checkpointing: str = "none", weights: str = "fp32") -> dict[str, float]:
+    """Bytes of one training step by component, as ``models.train.Trainer`` runs it: ``weights`` and their
+    gradients in that dtype (fp32: autocast computes in ``dtype`` from fp32 weights), AdamW's two fp32 states,
+    and the activations the backward keeps, in ``dtype`` (per layer, the tensors each op saves; with
+    checkpointing, what the recomputed blocks keep instead). Attention through a fused kernel keeps its output
+    and log-sum-exp; the naive one its S x S probabilities too."""
+    b, w = DTYPE_BYTES[dtype], DTYPE_BYTES[weights]
     n = params["total"]
-    weights, grads, adam = n * b, n * b, 8 * n
-    master = 0 if dtype == "fp32" else 4 * n
     tokens = batch * seq_len
     E, H, G, D, F = cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden
     # saved per layer: the attention sub-layer keeps its norm's input and output (2E), q, k, v ((H + 2G) D), the
@@ -118,8 +117,8 @@ def estimate_memory(cfg: ModelConfig, params: dict[str, int], batch: int, seq_le
         raise ValueError(f"checkpointing {checkpointing!r} is not one of: none, full, selective, every_k")
     logits = tokens * cfg.vocab_size * (b + 4)  # the logits and their fp32 copy in the loss
     activations = layers + tokens * E * b + logits
-    return {"weights": weights, "gradients": grads, "optimizer": adam + master, "activations": activations,
-            "total": weights + grads + adam + master + activations}
+    return {"weights": n * w, "gradients": n * w, "optimizer": 8 * n, "activations": activations,
+            "total": 2 * n * w + 8 * n + activations}
 
 
 def step_check(cfg: ModelConfig, batch: int = 1, seq_len: int = 32, seed: int = 0) -> dict[str, float | bool]:
@@ -154,6 +153,7 @@ def model_card(name: str, cfg: ModelConfig, check: bool = True) -> dict:
         "name": name, "config": cfg.model_dump(), "params": params,
         "flops_per_token": {"seq_len": S, "formula": formula, "counted": counted,
                             "counted_over_formula": counted["train"] / formula["train"]},
-        "memory_estimate_bytes": {"batch": 1, "seq_len": S, "dtype": "bf16", "by_checkpointing": memory},
+        "memory_estimate_bytes": {"batch": 1, "seq_len": S, "dtype": "bf16", "weights": "fp32",
+                                  "by_checkpointing": memory},
         "step_check": step_check(cfg) if check else None,
     }

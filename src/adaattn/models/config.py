@@ -15,7 +15,8 @@ Checkpointing = Literal["none", "full", "selective", "every_k"]
 
 
 class ModelConfig(BaseModel):
-    """A decoder (causal LM: next-token loss) or an encoder (bidirectional: a masked-token loss, as BERT's).
+    """A decoder (causal attention, trained on the next token) or an encoder (bidirectional attention; its loss
+    is over the targets a caller gives, -100 ignored, so masked-token training masks the inputs itself).
 
     ``attention``: ``sdpa`` (F.scaled_dot_product_attention), ``ada`` (AdaAttention: its own projections and
     policies; it takes no rotary positions, so its presets use learned ones), ``flexible`` (the layers'
