@@ -37,6 +37,11 @@ def _small(**kw) -> ModelConfig:
     return ModelConfig(**{"vocab_size": 97, "dim": 64, "n_layers": 3, "n_heads": 4, "max_seq_len": 32, **kw})
 
 
+# PyTorch's own layers: under TRITON_INTERPRET (the tests' setting) our kernels run interpreted on the CPU,
+# slowly; the tests of steps, memory and the API need no kernel (the variants above run them)
+PLAIN = {"mlp": "gelu", "norm": "layernorm", "positions": "learned"}
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_builds_and_trains_a_step_at_toy_size(name):
     cfg = tiny(PRESETS[name])
@@ -99,7 +104,7 @@ def test_checkpointing_gives_the_gradients_of_none(granularity):
 def test_checkpointing_recomputes_the_parts_it_names():
     """Forward calls of each sub-layer in one training step: a checkpointed part runs twice (counted as it starts:
     a recomputation stops once it has the last tensor the backward needs, before the sub-layer returns)."""
-    model = Transformer(_small(n_layers=4))
+    model = Transformer(_small(n_layers=4, **PLAIN))
     calls = {"attn": 0, "mlp": 0}
     for block in model.blocks:
         block.attn.register_forward_pre_hook(lambda *_: calls.__setitem__("attn", calls["attn"] + 1))
@@ -154,7 +159,7 @@ def test_memory_estimate_by_hand():
 
 
 def test_model_card_holds_counts_flops_memory_and_a_step():
-    card = model_card("toy", _small())
+    card = model_card("toy", _small(**PLAIN))
     assert card["params"]["total"] > 0 and card["flops_per_token"]["counted_over_formula"] == pytest.approx(1, rel=0.02)
     assert set(card["memory_estimate_bytes"]["by_checkpointing"]) == {"none", "full", "selective", "every_k"}
     assert card["step_check"]["grads_finite"] and abs(card["step_check"]["loss_at_init"] - math.log(97)) < 0.5
@@ -189,7 +194,7 @@ def test_trainer_steps_lower_the_loss_and_a_checkpoint_loads_back(tmp_path):
     for dtype in ("fp32", "bf16"):
         torch.manual_seed(0)
         model, optimizer, trainer = create_optimized_training_setup(
-            _small(), lr=3e-3, compile_mode=None, dtype=dtype, device="cpu")
+            _small(**PLAIN), lr=3e-3, compile_mode=None, dtype=dtype, device="cpu")
         tokens = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(1))
         losses = [float(trainer.train_step(tokens)["loss"]) for _ in range(8)]
         assert losses[-1] < 0.8 * losses[0], (dtype, losses)
@@ -221,3 +226,17 @@ def test_setup_groups_decay_and_rejects_bad_arguments():
     assert Trainer(model, opt, dtype="fp16").scaler.is_enabled()  # fp16's range needs loss scaling
     with pytest.raises(ValueError, match="grad_clip must be > 0"):
         Trainer(model, opt, grad_clip=0)
+
+
+def test_optimize_says_what_it_set_and_keeps_the_models_parameters():
+    from adaattn.models.train import optimize_for_h200, optimize_model
+
+    model = Transformer(_small(**PLAIN))
+    tokens, _ = _batch(model.cfg)
+    same, settings = optimize_model(model, compile_mode=None, tf32=False)
+    assert same is model and (settings.compile_mode, settings.tf32, settings.dtype) == (None, False, "fp32")
+    half, settings = optimize_model(Transformer(_small(**PLAIN)), compile_mode=None, dtype="bf16", tf32=False)
+    assert settings.dtype == "bf16" and next(half.parameters()).dtype == torch.bfloat16
+    compiled, settings = optimize_for_h200(model, compile_mode=None)
+    assert compiled is model and settings.memory_fraction is None  # no CUDA here: said, not set
+    assert settings.notes == ["no CUDA device: TF32 and the memory fraction do not apply"] and not settings.tf32

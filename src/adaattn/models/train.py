@@ -70,15 +70,15 @@ def tf32_mode(on: bool | None) -> Iterator[None]:
 
 def optimize_model(model: nn.Module, compile_mode: str | None = "default", dtype: str | None = None,
                    tf32: bool = True) -> tuple[nn.Module, Settings]:
-    """The model with ``dtype`` weights (None: as they are), TF32 on (a process-wide switch) and compiled in
-    ``compile_mode`` (None: eager, the guide's escape hatch). Returns the module to call and what was set;
-    the module's parameters are the model's own (compilation wraps, it does not copy)."""
+    """The model with ``dtype`` weights (None: as they are), TF32 on for a CUDA model (a process-wide switch)
+    and compiled in ``compile_mode`` (None: eager, the guide's escape hatch). Returns the module to call and
+    what was set; the module's parameters are the model's own (compilation wraps, it does not copy)."""
     _check_mode(compile_mode)
     settings = Settings(compile_mode=compile_mode, device=next(model.parameters()).device.type)
     if dtype is not None:
         model = model.to(_check_dtype(dtype))
         settings.dtype = dtype
-    if tf32:
+    if tf32 and settings.device == "cuda":  # a mode of NVIDIA tensor cores
         enable_tf32()
         settings.tf32 = True
     if compile_mode is not None:
@@ -99,7 +99,7 @@ def optimize_for_h200(model: nn.Module, compile_mode: str | None = "default") ->
         if "H200" not in settings.gpu:
             settings.notes.append(f"H200 defaults applied on {settings.gpu}, not an H200")
     else:
-        settings.notes.append("no CUDA device: TF32 and the memory fraction do not apply; compiled for the CPU")
+        settings.notes.append("no CUDA device: TF32 and the memory fraction do not apply")
     return model, settings
 
 
