@@ -106,9 +106,10 @@ class Training(StudyDef):
         if rung not in self._trainers:
             s = rung_settings(list(self._sec.rungs), rung)
             cfg = ModelConfig(**{**self._cfg.model_dump(), "attention": s["attention"]})
-            if self._base is None:
+            if self._base is None:  # built with the zoo's attention (its weights' names), whatever the preset's
                 torch.manual_seed(self._sec.seed)
-                base, _, _ = create_optimized_training_setup(self._cfg, compile_mode=None, device=self.device)
+                zoo = ModelConfig(**{**self._cfg.model_dump(), "attention": "sdpa"})
+                base, _, _ = create_optimized_training_setup(zoo, compile_mode=None, device=self.device)
                 self._base = copy.deepcopy(base.state_dict())
                 del base
             model, _, trainer = create_optimized_training_setup(
@@ -121,9 +122,9 @@ class Training(StudyDef):
 
     def flops(self) -> float:
         """Model FLOPs of one forward of the batch (the card's formula: a third of a training step's)."""
-        with torch.device("meta"):
-            from adaattn.models.transformer import Transformer
+        from adaattn.models.transformer import Transformer
 
+        with torch.device("meta"):
             meta = Transformer(self._cfg)
         per_token = flops_per_token(self._cfg, param_counts(meta)["matmul"], self._sec.seq_len)
         return per_token["forward"] * self._sec.batch * self._sec.seq_len
