@@ -240,3 +240,19 @@ def test_optimize_says_what_it_set_and_keeps_the_models_parameters():
     compiled, settings = optimize_for_h200(model, compile_mode=None)
     assert compiled is model and settings.memory_fraction is None  # no CUDA here: said, not set
     assert settings.notes == ["no CUDA device: TF32 and the memory fraction do not apply"] and not settings.tf32
+
+
+def test_card_command_writes_a_card_and_names_an_unknown_preset(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from adaattn_experiments.cli import app
+
+    result = CliRunner().invoke(app, ["card", "g0_small", "--out", str(tmp_path), "--no-check", "--params",
+                                      str(PARAMS)])
+    assert result.exit_code == 0, result.output
+    card = json.loads((tmp_path / "g0_small.json").read_text())
+    assert card["name"] == "g0_small" and card["step_check"] is None and not list(tmp_path.glob(".*.tmp"))
+    result = CliRunner().invoke(app, ["card", "gpt5", "--out", str(tmp_path), "--params", str(PARAMS)])
+    assert result.exit_code == 2 and "unknown model preset 'gpt5'; allowed: g0_transformer, g0_small" in result.output
