@@ -45,12 +45,14 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                 prev = s_ms
         t1 += _g0_t1(target, hw, fwd, mem, weights, flops, tokens, gemm, target in cpus, case_id)
         c1 += _g0_c1(target, hw, step, order, target in cpus)
-    md = ("Forward peak MiB: over the weights (the `weights_mb` row). Each rung adds its setting to every rung above it, from the same initial weights (`training.py`). "
+    md = ("Forward peak MiB: over the weights (the `weights_mb` row). Each rung adds its setting to every rung "
+          "above it, from the same initial weights (`training.py`). "
           "Forward: the harness, one rung at a time; step: `Trainer.train_step` (forward, loss, backward, "
           "clipping, AdamW), the rungs' steps side by side in shuffled rounds (median). MFU: the card's model "
           "FLOPs (6N + 12 L H D S per token, docs/models.md) over the step time, against the GEMM rate "
           "measured at the start of the same run (bf16 on a GPU, fp32 on a CPU). Step MiB: the rung's weights and "
-          "optimizer state, and one step's peak over them.\n\n" + (md_table(pd.DataFrame(rows)) if rows else "no results")
+          "optimizer state, and one step's peak over them.\n\n"
+          + (md_table(pd.DataFrame(rows)) if rows else "no results")
           + "\n")
     return [Section("G0-T1", "Performance Metrics (training ladder)", md, t1),
             Section("G0-C1", "Core optimizations, rung by rung", "The gains are in the G0-T1 table's last column "
@@ -105,7 +107,8 @@ def _g0_c1(target: str, hw: str, step: pd.DataFrame, order: list[str], cpu: bool
             continue
         before = step["value"][(target, timed[-1])]  # the nearest rung before it with a step (tf32: a GPU's)
         gain = before / now
-        verdict = "not measurable here" if cpu else judge((gain, gain), tuple(band), True, knobs().guide_ratio_tolerance)
+        tol = knobs().guide_ratio_tolerance
+        verdict = "not measurable here" if cpu else judge((gain, gain), tuple(band), True, tol)
         out.append(Verdict("G0-C1", claim, f"{band[0]:g}-{band[1]:g}x", f"{gain:.3g}x (median steps, one run)", hw,
                            verdict, GPU_CLAIM if cpu else f"+{rung} over the rung before it"))
     return out

@@ -58,9 +58,9 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
     with confidence (status ``outpaced``; the reason says after how many rounds, beaten by which), and
     each row's ``samples`` says how many rounds it took part in; ``seed``: the rounds' orders. A provider
     whose workload fails to build or run gets an error row; the others still run. ``paired`` (one of
-    ``keep``): also a ``paired_ratio`` row per other timed provider, ``paired``'s time over that provider's, round by round over the
-    rounds both took part in (``round_ratios``), and its median's ``CI_LEVEL`` confidence bounds
-    (``paired_ratio_ci_low`` and ``paired_ratio_ci_high`` rows: ``median_ci``). ``settle`` (a goal's
+    ``keep``): also a ``paired_ratio`` row per other timed provider, ``paired``'s time over that
+    provider's, round by round over the rounds both took part in (``round_ratios``), and its median's
+    ``CI_LEVEL`` confidence bounds (``paired_ratio_ci_low`` and ``paired_ratio_ci_high`` rows: ``median_ci``). ``settle`` (a goal's
     bound on ``paired``'s ratio): where, after those rounds, the interval of ``paired``'s ratio to a
     provider still in them spans it, the providers still in take one more block of rounds, about
     ``budget_ms`` of calls (at most ``max_rounds``), and the ratios come from all the rounds: a question
@@ -96,7 +96,8 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
                      if n in keep or t <= rounds.contender * fastest]
             for i in set(range(len(names))) - set(timed):
                 rows.append({**row, "provider": names[i], "status": "pruned",
-                             "reason": f"warm-up {est[i]:.3g} ms > {rounds.contender:g}x the fastest ({fastest:.3g} ms)"})
+                             "reason": f"warm-up {est[i]:.3g} ms > {rounds.contender:g}x the fastest "
+                                       f"({fastest:.3g} ms)"})
             per_turn = BURST if device == "cuda" else 1
 
             def fit(idx: Sequence[int], ms: float) -> int:  # rounds of these providers in about ms
