@@ -19,7 +19,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator,
                       model_validator)
 
-from adaattn.models.config import ModelConfig  # pydantic only: no torch
+from adaattn.models.config import CHECKPOINTING, ModelConfig  # pydantic only: no torch
 from adaattn.names import ATTENTION_PROVIDERS as PROVIDERS
 from adaattn.names import BACKENDS
 
@@ -452,6 +452,34 @@ class G0T1Section(ByProfile):
     gpu: TrainingLadder
 
 
+class CheckpointingSweep(_Section):
+    """G4-T3 and G4-T1's checkpointing line: each preset's training step (eager, autocast to ``dtype``, fused
+    AdamW on a GPU) at every granularity, ``none`` first: peak memory, the forward's memory, step time side
+    by side, and the card's estimate beside the measured peak."""
+
+    models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
+    batch: PositiveInt
+    seq_len: PositiveInt
+    granularities: Annotated[list[Literal[CHECKPOINTING]], Field(min_length=2)]  # type: ignore[valid-type]
+    every: PositiveInt = 2  # every_k's k
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    side_by_side: Rounds
+    seed: NonNegativeInt = 0
+
+    @field_validator("granularities")
+    @classmethod
+    def _none_first(cls, v: list[str]) -> list[str]:
+        if v[0] != "none" or len(set(v)) != len(v):
+            raise ValueError(f"granularities start with 'none' (the baseline), each once; allowed: "
+                             f"{', '.join(CHECKPOINTING)}; got {', '.join(v)}")
+        return v
+
+
+class G4T3Section(ByProfile):
+    cpu: CheckpointingSweep
+    gpu: CheckpointingSweep
+
+
 class Verdicts(_Section):
     """The verdict rule's tolerances and the project's goals' bounds (docs/methods.md, Verdicts): what the
     reports judge by, so that every verdict is regenerated from parameters."""
@@ -469,6 +497,7 @@ class Verdicts(_Section):
     gpu_bound: float = Field(3.0, gt=0)  # G2-B: a shape is GPU-bound where the kernel time is this x the host time
     kernel_peer_ratio: float = Field(0.97, gt=0)  # G4-T1: our kernels at least this x the best peer's speed
     kernel_copy_fraction: float = Field(0.90, gt=0, le=1)  # G4-T1: forward at least this of copy bandwidth
+    memory_estimate: float = Field(0.10, gt=0)  # G4-T3: the card's estimate within this of the measured peak
 
 
 class Params(BaseModel):
@@ -488,6 +517,7 @@ class Params(BaseModel):
     study_targets: dict[str, dict[str, Profile]] = {}
     models: dict[str, ModelConfig] = {}  # the model zoo's presets (adaattn.models)
     g0_t1: G0T1Section | None = Field(None, alias="G0-T1")
+    g4_t3: G4T3Section | None = Field(None, alias="G4-T3")
 
     @model_validator(mode="after")
     def _ladder_models(self) -> Params:
@@ -503,6 +533,14 @@ class Params(BaseModel):
             if "ada" in sec.rungs and self.models[sec.model].positions != "learned":
                 raise ValueError(f"G0-T1.{profile}.rungs: 'ada' needs models.{sec.model}.positions 'learned' "
                                  "(AdaAttention takes no rotary positions)")
+        for profile in ("cpu", "gpu"):
+            sweep = getattr(self.g4_t3, profile, None) if self.g4_t3 else None
+            for name in sweep.models if sweep else ():
+                if name not in self.models:
+                    raise ValueError(f"G4-T3.{profile}.models: {name!r} is not a preset of models; allowed: "
+                                     f"{', '.join(self.models)}")
+                if sweep.seq_len > self.models[name].max_seq_len:
+                    raise ValueError(f"G4-T3.{profile}.seq_len={sweep.seq_len} is over models.{name}.max_seq_len")
         return self
 
     @field_validator("models")

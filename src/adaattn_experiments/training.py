@@ -126,7 +126,7 @@ class Training(StudyDef):
 
         with torch.device("meta"):
             meta = Transformer(self._cfg)
-        per_token = flops_per_token(self._cfg, param_counts(meta)["matmul"], self._sec.seq_len)
+        per_token = flops_per_token(self._cfg, param_counts(meta), self._sec.seq_len)
         return per_token["forward"] * self._sec.batch * self._sec.seq_len
 
     def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:

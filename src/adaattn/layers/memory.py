@@ -46,11 +46,17 @@ class GradientCheckpointMixin:
         return getattr(self, "training", False) and torch.is_grad_enabled()
 
     def run_blocks(self, blocks: Iterable[nn.Module], x: Tensor, *args) -> Tensor:
-        whole = self._active() and self.checkpointing in ("full", "every_k")
-        step = self.checkpoint_every if self.checkpointing == "every_k" else 1
         for i, block in enumerate(blocks):
-            x = checkpoint(block, x, *args, use_reentrant=False) if whole and i % step == 0 else block(x, *args)
+            x = self.run_block(block, i, x, *args)
         return x
+
+    def run_block(self, block: nn.Module, index: int, x: Tensor, *args) -> Tensor:
+        """``block(x, *args)``, the ``index``-th block the forward runs: recomputed in the backward where the
+        granularity says so (``full``: every one; ``every_k``: index 0, k, 2k, ...)."""
+        step = self.checkpoint_every if self.checkpointing == "every_k" else 1
+        if self._active() and self.checkpointing in ("full", "every_k") and index % step == 0:
+            return checkpoint(block, x, *args, use_reentrant=False)
+        return block(x, *args)
 
     def checkpointed(self, fn: Callable[..., Tensor], *args) -> Tensor:
         """``fn(*args)``, recomputed in the backward where the granularity is ``selective``."""

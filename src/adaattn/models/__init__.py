@@ -35,12 +35,13 @@ def build_model(cfg: ModelConfig | dict, device=None, dtype=None) -> Transformer
 
 
 def tiny(cfg: ModelConfig) -> ModelConfig:
-    """The same architecture at toy sizes (the CPU tests' variant of a preset): 2 layers, width 64, the
-    preset's head grouping kept where it fits."""
+    """The same architecture at toy sizes (the CPU tests' variant of a preset): 2 layers (3 with recursions),
+    width 32 x compression, the preset's head grouping kept where it fits."""
     heads = 4
     kv = max(1, heads // (cfg.n_heads // cfg.kv_heads))
-    return ModelConfig(**{**cfg.model_dump(), "dim": 64, "n_layers": 2, "n_heads": heads, "n_kv_heads": kv,
-                          "vocab_size": 256, "mlp_hidden": None, "max_seq_len": 64})
+    layers = 3 if cfg.recursions > 1 else 2  # a shared stack between a first and a last block
+    return ModelConfig(**{**cfg.model_dump(), "dim": 32 * cfg.compression, "n_layers": layers, "n_heads": heads,
+                          "n_kv_heads": kv, "vocab_size": 256, "mlp_hidden": None, "max_seq_len": 64})
 
 
 __all__ = ["ModelConfig", "Transformer", "build_model", "tiny"]

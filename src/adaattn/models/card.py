@@ -6,7 +6,8 @@ FLOP convention (torchtitan's, stated once here and in ``docs/methods.md``): a t
 ``6 * N + 12 * L * H * D * S`` FLOPs, N the parameters a matmul reads per token (every block's linear
 weights and the LM head, tied or not; not the embedding lookups), L layers, H query heads, D head dim, S the
 context. Attention's causal half is not discounted and a recomputation (checkpointing, FlashAttention's
-backward) is not counted: MFU, not hardware FLOPs.
+backward) is not counted: MFU, not hardware FLOPs. A routed model (HYDRA) counts each block as often as it
+runs and for the tokens it takes (``applications``).
 """
 
 from __future__ import annotations
@@ -21,21 +22,53 @@ from adaattn.models.config import ModelConfig
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def param_counts(model: nn.Module) -> dict[str, int]:
-    """total (each tensor once: a tied head is the embedding), embedding lookups, and the matmul parameters N."""
+def _block_matmul(block: nn.Module) -> int:
+    """Parameters a block's matmuls and convolutions read per token it takes (its MoD router's left out)."""
+    n = sum(m.weight.numel() for name, m in block.named_modules() if isinstance(m, nn.Linear) and "router" not in name)
+    n += sum(p.numel() for name, p in block.named_parameters()
+             if name.endswith("_proj_weight") or name.endswith(("_seq", "_mix")))  # AdaAttention; CCGQA's convs
+    return n
+
+
+def param_counts(model: nn.Module) -> dict:
+    """total (each tensor once: a tied head is the embedding), embedding lookups, the matmul parameters N
+    (every block once, and the LM head) and each block's (``per_block``: a shared block runs more than once)."""
     cfg: ModelConfig = model.cfg
     total = sum(p.numel() for p in model.parameters())
     lookup = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
-    blocks = sum(m.weight.numel() for m in model.blocks.modules() if isinstance(m, nn.Linear))
-    blocks += sum(p.numel() for n, p in model.blocks.named_parameters() if n.endswith("_proj_weight"))  # AdaAttention
+    per_block = [_block_matmul(b) for b in model.blocks]
     return {"total": total, "embedding": lookup, "non_embedding": total - lookup,
-            "matmul": blocks + cfg.vocab_size * cfg.dim}
+            "matmul": sum(per_block) + cfg.vocab_size * cfg.dim, "per_block": per_block}
 
 
-def flops_per_token(cfg: ModelConfig, matmul_params: int, seq_len: int) -> dict[str, float]:
-    """Training FLOPs per token by the formula, and its two parts."""
-    dense = 6.0 * matmul_params
-    attention = 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+def applications(cfg: ModelConfig, seq_len: int) -> list[tuple[int, int]]:
+    """Every block a training forward runs, in order: (its index in ``blocks``, the tokens of a sequence it
+    takes). A plain stack: each block once on all; HYDRA: the first block, the shared middle stack once per
+    recursion on (R - r) / R of the tokens, the last block; a MoD block on ``mod_capacity`` of its input."""
+    from adaattn.models.hydra import capacity
+
+    def stack(indices, n):
+        every = cfg.mod_every
+        return [(i, capacity(n, cfg.mod_capacity) if cfg.mod_capacity is not None and i % every == every - 1 else n)
+                for i in indices]
+
+    L, R = cfg.n_layers, cfg.recursions
+    if R == 1:
+        return stack(range(L), seq_len)
+    runs = stack([0], seq_len)
+    for r in range(R):
+        runs += stack(range(1, L - 1), capacity(seq_len, (R - r) / R))
+    return runs + stack([L - 1], seq_len)
+
+
+def flops_per_token(cfg: ModelConfig, params: dict, seq_len: int) -> dict[str, float]:
+    """Training FLOPs per token by the formula, and its two parts: 6 x the matmul parameters each token
+    passes through (a shared block as often as it runs, a routed one for the tokens it takes) and 12 x H x D
+    x the tokens each attention attends over. The routers' width-E scores are left out (under 0.1%)."""
+    runs = applications(cfg, seq_len)
+    share = sum(params["per_block"][i] * n for i, n in runs) / seq_len
+    dense = 6.0 * (share + cfg.vocab_size * cfg.dim)
+    attention = 12.0 * cfg.n_heads * cfg.head_dim * sum(n * n for _, n in runs) / seq_len
     return {"dense": dense, "attention": attention, "train": dense + attention, "forward": (dense + attention) / 3}
 
 
@@ -83,42 +116,70 @@ def _on_meta(model: nn.Module) -> nn.Module:
     return meta
 
 
-def estimate_memory(cfg: ModelConfig, params: dict[str, int], batch: int, seq_len: int, dtype: str = "bf16",
+def estimate_memory(cfg: ModelConfig, params: dict, batch: int, seq_len: int, dtype: str = "bf16",
                     checkpointing: str = "none", weights: str = "fp32") -> dict[str, float]:
-    """Bytes of one training step by component, as ``models.train.Trainer`` runs it: ``weights`` and their
-    gradients in that dtype (fp32: autocast computes in ``dtype`` from fp32 weights), AdamW's two fp32 states,
-    and the activations the backward keeps, in ``dtype`` (per layer, the tensors each op saves; with
-    checkpointing, what the recomputed blocks keep instead). Attention through a fused kernel keeps its output
-    and log-sum-exp; the naive one its S x S probabilities too."""
+    """Bytes of one training step by component, as ``models.train.Trainer`` runs it on a GPU (the zoo's
+    kernels; their CPU references keep fp32 copies): ``weights`` and gradients in that dtype (fp32: autocast
+    computes in ``dtype`` from fp32 weights, and the residual stream stays fp32), AdamW's two fp32 states, and
+    the activations the backward keeps (per block run, the tensors its ops save; with checkpointing, what the
+    recomputed blocks keep instead), the low-precision copies of the weights autocast keeps, and the loss's
+    fp32 log-probabilities.
+
+    ``total`` is the step's peak: the activations peak as the backward starts, before any gradient exists
+    (the trainer frees them after each step), next to the loss's two fp32 gradients of the logits' size and the
+    head's gradient; the gradients peak at its end, the activations freed."""
+    if checkpointing not in ("none", "full", "selective", "every_k"):
+        raise ValueError(f"checkpointing {checkpointing!r} is not one of: none, full, selective, every_k")
     b, w = DTYPE_BYTES[dtype], DTYPE_BYTES[weights]
     n = params["total"]
-    tokens = batch * seq_len
-    E, H, G, D, F = cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden
-    # saved per layer: the attention sub-layer keeps its norm's input and output (2E), q, k, v ((H + 2G) D), the
-    # attention output (H D) and the log-sum-exp (H, fp32); the naive one its S x S probabilities and mask too
-    attn = tokens * ((2 * E + (H + 2 * G) * D + H * D) * b + H * 4)
-    if cfg.attention == "naive":
-        attn += batch * H * seq_len * seq_len * (b + 1)
-    # the MLP sub-layer: its norm's input and output (2E) and hidden tensors (SwiGLU: gate and up, 2F, and
-    # their product, F; GELU: its input and output, 2F)
-    mlp = tokens * (2 * E + (3 * F if cfg.mlp == "swiglu" else 2 * F)) * b
-    block_input = tokens * E * b
-    L = cfg.n_layers
+    E, H, G, D, F, V = cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.hidden, cfg.vocab_size
+    norm = E * w + E * b  # a norm keeps its (residual, fp32) input; the next matmul its low-precision copy
+
+    def attn(tokens: int, n_seq: int) -> float:
+        if cfg.attention == "ccgqa":
+            # the down-projection's output ((H + 2G) D), the convolutions' padded inputs (2 each of q and k),
+            # the normalised q and k's inputs, the temperature's input (G D), and attention's q, k, v, output
+            # and the output's reshape: 7 H + 8 G head-widths in all
+            kept = (7 * H + 8 * G) * D
+        else:
+            # the q, k, v projection's output ((H + 2G) D: v is a view of it), rotated q and k ((H + G) D, not
+            # with learned positions), attention's output (H D) and its reshape for the output projection (H D)
+            kept = (H + 2 * G) * D + (0 if cfg.positions == "learned" else (H + G) * D) + 2 * H * D
+        out = tokens * (norm + kept * b + H * 4)  # + the log-sum-exp (H, fp32)
+        if cfg.attention == "naive":  # the S x S probabilities, and the causal mask
+            out += batch * H * n_seq * n_seq * b + n_seq * n_seq
+        return out
+
+    def mlp(tokens: int) -> float:  # hidden tensors (SwiGLU: gate and up, and their product; GELU: 2F)
+        return tokens * (norm + (3 * F if cfg.mlp == "swiglu" else 2 * F) * b)
+
+    runs = applications(cfg, seq_len)
+    whole = [attn(batch * k, k) + mlp(batch * k) for _, k in runs]
+    inputs = [batch * k * E * w for _, k in runs]  # a block's input: the residual stream
     if checkpointing == "none":
-        layers = L * (attn + mlp)
+        layers = sum(whole)
     elif checkpointing == "full":  # each block keeps its input; one block's activations live in its recompute
-        layers = L * block_input + attn + mlp
-    elif checkpointing == "every_k":  # blocks 0, k, 2k, ... keep their inputs only
-        kept = -(-L // cfg.checkpoint_every)
-        layers = kept * block_input + (L - kept) * (attn + mlp) + attn + mlp
-    elif checkpointing == "selective":  # the attention sub-layers keep their inputs only
-        layers = L * (block_input + mlp) + attn
-    else:
-        raise ValueError(f"checkpointing {checkpointing!r} is not one of: none, full, selective, every_k")
-    logits = tokens * cfg.vocab_size * (b + 4)  # the logits and their fp32 copy in the loss
-    activations = layers + tokens * E * b + logits
-    return {"weights": n * w, "gradients": n * w, "optimizer": 8 * n, "activations": activations,
-            "total": 2 * n * w + 8 * n + activations}
+        layers = sum(inputs) + max(whole)
+    elif checkpointing == "every_k":  # the blocks run 0, k, 2k, ... keep their inputs only
+        kept = [j % cfg.checkpoint_every == 0 for j in range(len(runs))]
+        layers = sum(i if c else a for i, a, c in zip(inputs, whole, kept)) + max(whole)
+    else:  # selective: the attention sub-layers keep their inputs only
+        layers = sum(i + mlp(batch * k) for i, (_, k) in zip(inputs, runs)) + max(attn(batch * k, k) for _, k in runs)
+    # routes: MoD blocks and recursions after the first keep the gathered tokens, the sequence scattered back
+    # and the gates
+    every = cfg.mod_every
+    routes = [k for i, k in runs if cfg.mod_capacity is not None and i % every == every - 1] + \
+        [seq_len] * (cfg.recursions - 1)
+    routing = sum(batch * (k + seq_len) * E * w + batch * k * 4 for k in routes)
+    tokens = batch * seq_len
+    copies = params["matmul"] * b if b < w else 0  # autocast's low-precision weights, cast once a step
+    activations = layers + routing + tokens * norm + copies + tokens * V * 4  # + final norm, fp32 log-probs
+    # as the backward starts: the gradient of the log-probabilities and the log-softmax's input gradient (fp32
+    # each, beside the kept log-probabilities), and the head's gradient
+    transient = tokens * V * 8 + V * E * w
+    gradients = n * w
+    return {"weights": n * w, "gradients": gradients, "optimizer": 8 * n, "activations": activations,
+            "loss_transient": transient, "total": n * w + 8 * n + max(activations + transient, gradients)}
 
 
 def step_check(cfg: ModelConfig, batch: int = 1, seq_len: int = 32, seed: int = 0) -> dict[str, float | bool]:
@@ -147,7 +208,7 @@ def model_card(name: str, cfg: ModelConfig, check: bool = True) -> dict:
         model = Transformer(cfg)
     params = param_counts(model)
     S = cfg.max_seq_len
-    formula, counted = flops_per_token(cfg, params["matmul"], S), counted_flops_per_token(model, S)
+    formula, counted = flops_per_token(cfg, params, S), counted_flops_per_token(model, S)
     memory = {g: estimate_memory(cfg, params, 1, S, "bf16", g) for g in ("none", "full", "selective", "every_k")}
     return {
         "name": name, "config": cfg.model_dump(), "params": params,

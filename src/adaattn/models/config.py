@@ -10,8 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-Attention = Literal["sdpa", "ada", "flexible", "naive"]
-Checkpointing = Literal["none", "full", "selective", "every_k"]
+Attention = Literal["sdpa", "ada", "flexible", "naive", "ccgqa"]
+CHECKPOINTING = ("none", "full", "selective", "every_k")
+Checkpointing = Literal[CHECKPOINTING]  # type: ignore[valid-type]
 
 
 class ModelConfig(BaseModel):
@@ -25,6 +26,13 @@ class ModelConfig(BaseModel):
     ``qk_norm_rope`` (per-head RMSNorm of q and k, then the rotation, one fused kernel). ``mlp``: ``gelu``
     (Linear, GELU, Linear) or ``swiglu`` (ours). ``checkpointing``: ``full`` (each block recomputed in the
     backward), ``selective`` (attention only), ``every_k`` (every ``checkpoint_every``-th block).
+
+    HYDRA (guide 004; ``docs/models.md``): ``attention="ccgqa"`` attends in a latent of ``dim / compression``
+    (``n_heads`` and ``n_kv_heads`` are the latent's heads), ``recursions > 1`` makes the middle blocks one
+    shared stack applied that many times (Mixture-of-Recursions, Middle-Cycle: the first and last blocks are
+    unique), each recursion routing fewer tokens (expert choice, capacity (R - r) / R), and ``mod_capacity``
+    routes that fraction of the tokens through every ``mod_every``-th block (Mixture-of-Depths); the rest
+    skip it on the residual.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -50,11 +58,22 @@ class ModelConfig(BaseModel):
     bias: bool = False
     checkpointing: Checkpointing = "none"
     checkpoint_every: PositiveInt = 2  # every_k: this k
+    compression: PositiveInt = 1  # ccgqa: the latent's width is dim / compression
+    conv_kernel: PositiveInt = 3  # ccgqa: the causal convolutions' width over the sequence
+    recursions: PositiveInt = 1  # MoR: applications of the shared middle stack (1: no sharing, no routing)
+    mod_capacity: float | None = Field(None, gt=0, le=1)  # MoD: the fraction of tokens a routed block takes
+    mod_every: PositiveInt = 2  # MoD: every mod_every-th block of the stack is routed
+    router_aux_weight: float = Field(0.01, ge=0)  # the routers' causal (BCE) auxiliary loss, scaled
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:
-        if self.dim % self.n_heads:
-            raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim}")
+        if self.dim % self.compression:
+            raise ValueError(f"compression={self.compression} must divide dim={self.dim}")
+        if self.compression > 1 and self.attention != "ccgqa":
+            raise ValueError(f"compression={self.compression} needs attention='ccgqa'; got {self.attention!r}")
+        if self.latent_dim % self.n_heads:
+            latent = f" / compression={self.compression} = {self.latent_dim}" if self.compression > 1 else ""
+            raise ValueError(f"n_heads={self.n_heads} must divide dim={self.dim}{latent}")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if self.positions != "learned" and self.head_dim % 2:
@@ -62,7 +81,28 @@ class ModelConfig(BaseModel):
         if self.attention == "ada" and self.positions != "learned":
             raise ValueError(f"attention='ada' takes no rotary positions (AdaAttention projects q and k itself): "
                              f"positions must be 'learned'; got {self.positions!r}")
+        if self.attention == "ccgqa" and (self.positions != "rope" or self.kind != "decoder"):
+            raise ValueError(f"attention='ccgqa' is a causal decoder's with its own L2 QK-norm: kind must be "
+                             f"'decoder' and positions 'rope'; got kind={self.kind!r}, positions={self.positions!r}")
+        if self.routed and self.kind != "decoder":
+            raise ValueError(f"routing (recursions > 1 or mod_capacity) is a decoder's: kind must be 'decoder'; "
+                             f"got {self.kind!r}")
+        if self.routed and self.attention == "ada":
+            raise ValueError("attention='ada' does not take routed (MoD / MoR) tokens: set recursions=1 and "
+                             "mod_capacity=null, or another attention")
+        if self.recursions > 1 and self.n_layers < 3:
+            raise ValueError(f"recursions={self.recursions} shares the blocks between the first and the last: "
+                             f"n_layers must be >= 3; got {self.n_layers}")
         return self
+
+    @property
+    def routed(self) -> bool:
+        """Whether tokens take different depths (MoR recursions or MoD)."""
+        return self.recursions > 1 or self.mod_capacity is not None
+
+    @property
+    def latent_dim(self) -> int:
+        return self.dim // self.compression
 
     @property
     def kv_heads(self) -> int:
@@ -70,7 +110,7 @@ class ModelConfig(BaseModel):
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.latent_dim // self.n_heads
 
     @property
     def hidden(self) -> int:

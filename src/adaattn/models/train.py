@@ -129,9 +129,12 @@ class Trainer:
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         self.model.train()
         with tf32_mode(self.tf32):
-            logits = self.forward(inputs)
+            logits, aux = self.forward(inputs, return_aux=True)
             loss = (criterion or _cross_entropy)(logits.float(), targets)
-            self.scaler.scale(loss).backward()
+            del logits  # B x S x vocab: not kept through the backward, where the loss's gradients peak
+            # a routed model's routers learn, beside the loss, whether a token makes their top k (causal inference)
+            total = loss if aux is None else loss + self.model.cfg.router_aux_weight * aux
+            self.scaler.scale(total).backward()
         self.scaler.unscale_(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip is not None else float("inf"))
@@ -141,12 +144,16 @@ class Trainer:
         self.steps += 1
         return {"loss": loss.detach(), "grad_norm": norm.detach(), "tokens": targets.numel()}
 
-    def forward(self, inputs: Tensor) -> Tensor:
+    def forward(self, inputs: Tensor, return_aux: bool = False) -> Tensor | tuple[Tensor, Tensor | None]:
         """The model's logits as a step computes them (autocast, TF32 as the trainer sets them), in the
-        caller's grad mode and the model's train / eval mode."""
+        caller's grad mode and the model's train / eval mode; with ``return_aux``, also a routed model's
+        auxiliary router loss (None for a model without routers)."""
         autocast = self.compute_dtype != torch.float32
+        routed = getattr(getattr(self.model, "cfg", None), "routed", False)
         with tf32_mode(self.tf32), torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
-            return self.model(inputs)
+            if not return_aux:
+                return self.model(inputs)
+            return self.model(inputs, return_aux=True) if routed else (self.model(inputs), None)
 
 
 def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:

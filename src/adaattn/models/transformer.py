@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from adaattn.attention.ada import AdaAttention
 from adaattn.layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP, flexible_attention
 from adaattn.models.config import ModelConfig
+from adaattn.models.hydra import CCGQAttention, Router, capacity, gather, rotate_at, routed, scatter
 
 
 def _norm(cfg: ModelConfig, dim: int) -> nn.Module:
@@ -56,12 +57,18 @@ class Attention(nn.Module):
         if cfg.positions == "qk_norm_rope":
             self.q_norm, self.k_norm = nn.Parameter(torch.ones(D)), nn.Parameter(torch.ones(D))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
+        """x (B, S, E); ``pos`` (B, S): the tokens' positions where a router gathered them (None: 0..S-1)."""
         B, S, _ = x.shape
         H, G, D = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
         q, k, v = self.qkv(x).split([H * D, G * D, G * D], dim=-1)
         q, k, v = q.view(B, S, H, D), k.view(B, S, G, D), v.view(B, S, G, D)
-        if self.cfg.positions == "rope":
+        if pos is not None and self.rope is not None:
+            if self.cfg.positions == "qk_norm_rope":
+                q = F.rms_norm(q, (D,), self.q_norm, self.cfg.norm_eps)
+                k = F.rms_norm(k, (D,), self.k_norm, self.cfg.norm_eps)
+            q, k = rotate_at(q, self.rope.cos, self.rope.sin, pos), rotate_at(k, self.rope.cos, self.rope.sin, pos)
+        elif self.cfg.positions == "rope":
             q, k = self.rope(q, k)
         elif self.cfg.positions == "qk_norm_rope":
             q, k = self.rope.with_qk_norm(q, k, self.q_norm, self.k_norm, self.cfg.norm_eps)
@@ -84,31 +91,41 @@ class AdaSelfAttention(nn.Module):
         self.causal = cfg.causal
         self.attn = AdaAttention(cfg.dim, cfg.n_heads, num_kv_heads=cfg.kv_heads, bias=cfg.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
         return self.attn(x, x, x, need_weights=False, is_causal=self.causal)[0]
 
 
 class Block(GradientCheckpointMixin, nn.Module):
     """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)); with ``selective`` checkpointing the attention
-    sub-layer's activations are recomputed in the backward."""
+    sub-layer's activations are recomputed in the backward. ``routed``: a MoD block, with its router."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None, routed: bool = False):
         super().__init__()
         self.norm1, self.norm2 = _norm(cfg, cfg.dim), _norm(cfg, cfg.dim)
-        self.attn = AdaSelfAttention(cfg) if cfg.attention == "ada" else Attention(cfg, rope)
+        if cfg.attention == "ada":
+            self.attn = AdaSelfAttention(cfg)
+        else:
+            self.attn = CCGQAttention(cfg, rope) if cfg.attention == "ccgqa" else Attention(cfg, rope)
+        self.router = Router(cfg.dim) if routed else None
         self.mlp = SwiGLUMLP(cfg.dim, cfg.hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else \
             GeluMLP(cfg.dim, cfg.hidden, cfg.bias)
 
-    def _attend(self, x: Tensor) -> Tensor:
-        return self.attn(self.norm1(x))
+    def _attend(self, x: Tensor, pos: Tensor | None) -> Tensor:
+        return self.attn(self.norm1(x), pos)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.checkpointed(self._attend, x)
+    def forward(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
+        x = x + self.checkpointed(self._attend, x, pos)
         return x + self.mlp(self.norm2(x))
 
 
 class Transformer(GradientCheckpointMixin, nn.Module):
-    """tokens (B, S) int64 -> logits (B, S, V). ``set_checkpointing`` changes the granularity after building."""
+    """tokens (B, S) int64 -> logits (B, S, V). ``set_checkpointing`` changes the granularity after building.
+
+    A routed config (HYDRA: ``recursions > 1`` or ``mod_capacity``) runs ``_routed``: the first block, the
+    shared middle stack ``recursions`` times (the r-th on the (R - r) / R of the sequence its router picks
+    among the tokens of the recursion before), the last block; in every stack, the MoD blocks take their
+    router's top ``mod_capacity``. ``forward(tokens, return_aux=True)`` also returns the routers' causal
+    auxiliary loss, which ``loss`` and the trainer add."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -118,7 +135,11 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base) \
             if cfg.positions != "learned" else None
-        self.blocks = nn.ModuleList(Block(cfg, self.rope) for _ in range(cfg.n_layers))
+        every = cfg.mod_every
+        self.blocks = nn.ModuleList(Block(cfg, self.rope, routed=cfg.mod_capacity is not None and i % every == every - 1)
+                                    for i in range(cfg.n_layers))
+        # recursion r >= 1 of the shared stack has its own router (recursion 0 takes every token)
+        self.recursion_routers = nn.ModuleList(Router(cfg.dim) for _ in range(cfg.recursions - 1))
         self.norm = _norm(cfg, cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -134,7 +155,8 @@ class Transformer(GradientCheckpointMixin, nn.Module):
                 nn.init.zeros_(m.bias)
         for name in ("out", "down"):
             proj = getattr(m, name, None)
-            if isinstance(proj, nn.Linear) and isinstance(m, (Attention, GeluMLP, SwiGLUMLP)):
+            if isinstance(proj, nn.Linear) and isinstance(m, (Attention, CCGQAttention, GeluMLP, SwiGLUMLP)) \
+                    and not (isinstance(m, CCGQAttention) and name == "down"):
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * self.cfg.n_layers))
 
     def set_checkpointing(self, granularity: str, every: int = 2) -> None:
@@ -142,17 +164,56 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         for block in self.blocks:  # selective: inside each block; the rest: around blocks (``run_blocks``)
             block.set_checkpointing("selective" if granularity == "selective" else "none")
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, return_aux: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         B, S = tokens.shape
         if S > self.cfg.max_seq_len and self.pos is not None:
             raise ValueError(f"sequence length {S} is over max_seq_len={self.cfg.max_seq_len} (learned positions)")
+        if self.cfg.routed and not self.training and B > 1:  # inference routing is per sequence
+            outs = [self(tokens[b:b + 1], return_aux) for b in range(B)]
+            if not return_aux:
+                return torch.cat(outs)
+            return torch.cat([o[0] for o in outs]), torch.stack([o[1] for o in outs]).mean()
         x = self.embed(tokens)  # (B, S, E)
         if self.pos is not None:
             x = x + self.pos(torch.arange(S, device=tokens.device))
-        x = self.run_blocks(self.blocks, x)
-        return self.head(self.norm(x))  # (B, S, V)
+        aux: list[Tensor] = []
+        x = self._routed(x, aux) if self.cfg.routed else self.run_blocks(self.blocks, x)
+        logits = self.head(self.norm(x))  # (B, S, V)
+        if not return_aux:
+            return logits
+        return logits, torch.stack(aux).mean() if aux else logits.new_zeros((), dtype=torch.float32)
+
+    def _routed(self, x: Tensor, aux: list[Tensor]) -> Tensor:
+        B, S, _ = x.shape
+        pos = torch.arange(S, device=x.device).expand(B, S)
+        R, count = self.cfg.recursions, iter(range(1 << 30))  # count: the blocks run, for every_k checkpointing
+        if R == 1:
+            return self._stack(range(len(self.blocks)), x, pos, aux, count)
+        middle = range(1, len(self.blocks) - 1)
+        x = self._stack([0], x, pos, aux, count)
+        x = self._stack(middle, x, pos, aux, count)  # recursion 0: every token
+        idx = None  # the tokens of the last recursion (None: all), indices into the sequence
+        for r in range(1, R):
+            xs, ps = (x, pos) if idx is None else (gather(x, idx), gather(pos, idx))
+            xs, local = routed(lambda h, p: self._stack(middle, h, p, aux, count), xs, ps,
+                               self.recursion_routers[r - 1](xs), capacity(S, (R - r) / R), self.training, aux)
+            x, idx = (xs, local) if idx is None else (scatter(x, idx, xs), gather(idx, local))
+        return self._stack([len(self.blocks) - 1], x, pos, aux, count)
+
+    def _stack(self, indices, x: Tensor, pos: Tensor, aux: list[Tensor], count) -> Tensor:
+        """The blocks at ``indices`` in order on x (B, n, E) at positions pos (B, n); MoD blocks route."""
+        for i in indices:
+            block = self.blocks[i]
+            if block.router is None:
+                x = self.run_block(block, next(count), x, pos)
+                continue
+            x, _ = routed(lambda h, p, block=block: self.run_block(block, next(count), h, p), x, pos,
+                          block.router(x), capacity(x.shape[1], self.cfg.mod_capacity), self.training, aux)
+        return x
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy of the logits at every position against ``targets`` (B, S); -100 is ignored."""
-        logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        """Mean cross-entropy of the logits at every position against ``targets`` (B, S); -100 is ignored. A
+        routed model adds its routers' auxiliary loss times ``router_aux_weight``."""
+        logits, aux = self(tokens, return_aux=True)
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return ce + self.cfg.router_aux_weight * aux

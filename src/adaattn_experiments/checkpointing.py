@@ -1,0 +1,142 @@
+"""The checkpointing study (G4-T3, and G4-T1's "~40% activation memory"): each preset of ``G4-T3`` trained a
+step at a time (``Trainer.train_step``: eager, autocast, fused AdamW on a GPU) at every checkpointing
+granularity of ``GradientCheckpointMixin``, one model and one optimizer per preset, the granularity switched
+between steps.
+
+Per granularity: the step's peak memory (the weights and optimizer state held, and one step's peak over them),
+the forward's peak over what was held before it (the activations the backward keeps, and the forward's
+transients: what checkpointing cuts), the card's estimate of the step (``models.card.estimate_memory``) beside
+the measurement, and the steps side by side in shuffled rounds (time overhead, tokens/s). Nothing here runs
+through the harness: a step is the unit.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from adaattn.bench.harness import Case, Workload, classify_error
+from adaattn.bench.memory import peak_memory_bytes
+from adaattn.bench.runner import StudyDef, target_sections
+from adaattn.bench.side_by_side import side_by_side_rows
+from adaattn.config import CheckpointingSweep, Params, Target
+from adaattn.models import ModelConfig
+from adaattn.models.card import estimate_memory, flops_per_token, param_counts
+from adaattn.models.train import Trainer, create_optimized_training_setup
+from adaattn.report.common import Section
+
+MIB = 2**20
+
+
+class Checkpointing(StudyDef):
+    name = "checkpointing"
+    table_ids = ("G4-T3", "G4-T1")
+    config_columns = ["model", "batch", "seq_len"]
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+
+    def bind(self, device: str) -> Checkpointing:
+        return Checkpointing(device)
+
+    def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
+        sections = target_sections(raw, target_name, ("G4-T3",))
+        return {**sections, **{f"models.{m}": raw["models"][m] for m in sections["G4-T3"]["models"]}}
+
+    def cases(self, params: Params, target: Target) -> list[Case]:
+        return []  # the unit is a training step: extra_rows measures it
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        sweep = getattr(params.g4_t3, target.profile)
+        rows: list[dict] = []
+        for name in sweep.models:
+            rows += self._preset_rows(name, params.models[name], sweep)
+            gc.collect()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()  # the next preset starts from an empty allocator
+        return rows
+
+    def _preset_rows(self, name: str, cfg: ModelConfig, sweep: CheckpointingSweep) -> list[dict]:
+        B, S = sweep.batch, sweep.seq_len
+        base = {"table_id": "G4-T3", "case_id": f"G4-T3/{name}-b{B}-s{S}", "kernel": "", "model": name,
+                "batch": B, "seq_len": S}
+        try:
+            torch.manual_seed(sweep.seed)
+            model, optimizer, trainer = create_optimized_training_setup(
+                cfg, compile_mode=None, dtype=sweep.dtype, device=self.device, tf32=True)
+            gen = torch.Generator().manual_seed(sweep.seed)
+            batch = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=gen).to(self.device)
+            with torch.enable_grad():
+                trainer.train_step(batch)  # AdamW's state exists from here on: what a step holds
+        except Exception as err:  # noqa: BLE001 - a preset that cannot be built or stepped is a status row
+            status, reason = classify_error(err)
+            return [{**base, "provider": g, "mode": "step", "metric": "step_peak_mem_mb", "value": None,
+                     "unit": "MiB", "status": status, "reason": reason} for g in sweep.granularities]
+        counts = param_counts(model)
+        flops = flops_per_token(cfg, counts, S)["train"] * B * S
+        rows = [{**base, "provider": "model", "mode": "step", "metric": "model_flops", "value": flops, "unit": "FLOP",
+                 "status": "ok", "reason": "the card's training FLOPs per token x the batch's tokens"},
+                {**base, "provider": "model", "mode": "step", "metric": "params_m", "value": counts["total"] / 1e6,
+                 "unit": "M parameters", "status": "ok", "reason": "every tensor once (a tied head is the embedding)"}]
+        state = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, Tensor)]
+        held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *state])
+        for gran in sweep.granularities:
+            model.set_checkpointing(gran, sweep.every)
+            rows += self._memory_rows(base, gran, trainer, batch, held)
+            est = estimate_memory(cfg, counts, B, S, sweep.dtype, gran)
+            rows.append({**base, "provider": gran, "mode": "step", "metric": "estimated_mem_mb",
+                         "value": est["total"] / MIB, "unit": "MiB", "status": "ok",
+                         "reason": "the card's estimate: weights, gradients, AdamW, activations"})
+        steps = {gran: functools.partial(_step, trainer, model, gran, sweep.every, batch)
+                 for gran in sweep.granularities}
+        rows += side_by_side_rows([(base, "step", steps)], self.device, keep=list(sweep.granularities),
+                                  rounds=sweep.side_by_side, seed=sweep.seed, prefix="step_")
+        model.set_checkpointing("none")
+        del model, optimizer, trainer, state
+        return rows
+
+    def _memory_rows(self, base: dict, gran: str, trainer: Trainer, batch: Tensor, held: int) -> list[dict]:
+        rows = []
+        x, y = batch[:, :-1], batch[:, 1:]
+
+        def forward() -> Tensor:  # the loss and the graph the backward would walk (freed when it returns)
+            logits, aux = trainer.forward(x, return_aux=True)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            return loss if aux is None else loss + aux
+
+        for metric, fn, extra, reason in (
+                ("step_peak_mem_mb", lambda: trainer.train_step(batch), held,
+                 "weights and optimizer state held, and one step's peak over them"),
+                ("fwd_peak_mem_mb", forward, 0, "the forward's peak over what was held before it (training mode)")):
+            row = {**base, "provider": gran, "mode": "step", "metric": metric, "unit": "MiB"}
+            try:
+                with torch.enable_grad():
+                    peak = peak_memory_bytes(fn, self.device)
+            except Exception as err:  # noqa: BLE001 - out of memory (say) is a status row; the others go on
+                status, reason = classify_error(err)
+                rows.append({**row, "value": None, "status": status, "reason": reason})
+                continue
+            rows.append({**row, "value": (extra + peak) / MIB, "status": "ok", "reason": reason})
+        return rows
+
+    def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
+        from adaattn_experiments.checkpointing_report import render
+
+        return render(df, out_dir)
+
+
+def _step(trainer: Trainer, model: torch.nn.Module, granularity: str, every: int, batch: Tensor) -> Workload:
+    def step():
+        model.set_checkpointing(granularity, every)
+        return trainer.train_step(batch)
+
+    return Workload(fwd=step, inputs=[])
+
+
+STUDY = Checkpointing()
