@@ -71,3 +71,19 @@ def test_one_verdict_rule_for_bands_points_and_bounds():
     assert median_interval([1.0, 3.0, 2.0]) == (2.0, 1.0, 3.0)
     med, lo, hi = median_interval([float(i) for i in range(1, 21)])
     assert med == 10.5 and 1 < lo < med < hi < 20
+
+
+def test_a_table_id_judged_by_two_studies_keeps_both_in_the_index(tmp_path):
+    """G4-T1: the kernels study judges its kernel lines, the checkpointing study its memory line."""
+    _, raw = load_params(REPO / "params.yaml")
+    results, reports = tmp_path / "results", tmp_path / "reports"
+    for name in ("kernels", "checkpointing"):
+        shutil.copytree(REPO / "results" / name, results / name)
+    render_all({n: STUDIES[n] for n in ("kernels", "checkpointing")}, validate(raw), raw, results, reports,
+               tmp_path / "metrics.json")
+    (row,) = [line for line in (reports / "README.md").read_text().splitlines() if line.startswith("| G4-T1 ")]
+    assert "[kernels](kernels.md)" in row and "[checkpointing](checkpointing.md)" in row, row
+    kernels = (reports / "verdicts" / "kernels.csv").read_text().count("\nG4-T1,")
+    checkpointing = (reports / "verdicts" / "checkpointing.csv").read_text().count("\nG4-T1,")
+    counts = json.loads((tmp_path / "metrics.json").read_text())
+    assert kernels and checkpointing and sum(counts["G4-T1"].values()) == kernels + checkpointing

@@ -102,12 +102,12 @@ def _verdict_table(verdicts: list[Verdict]) -> str:
     return md_table(pd.DataFrame(rows)) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
-def verdict_metrics(by_id: Mapping[str, tuple[str, Section]]) -> dict[str, dict[str, int]]:
-    """Per table id, how many of its claims got each verdict: what ``dvc metrics show`` and ``dvc metrics diff``
-    read (keys with underscores for DVC's command line)."""
+def verdict_metrics(by_id: Mapping[str, list[tuple[str, Section]]]) -> dict[str, dict[str, int]]:
+    """Per table id, how many of its claims got each verdict (over every study that judges it): what
+    ``dvc metrics show`` and ``dvc metrics diff`` read (keys with underscores for DVC's command line)."""
     out = {}
-    for table_id, (_, section) in sorted(by_id.items()):
-        counts = pd.Series([v.verdict for v in section.verdicts], dtype=object).value_counts()
+    for table_id, entries in sorted(by_id.items()):
+        counts = pd.Series([v.verdict for _, s in entries for v in s.verdicts], dtype=object).value_counts()
         if len(counts):
             out[table_id] = {k.replace(" ", "_"): int(n) for k, n in counts.items()}
     return out
@@ -116,13 +116,14 @@ def verdict_metrics(by_id: Mapping[str, tuple[str, Section]]) -> dict[str, dict[
 def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_root: Path,
                reports_root: Path, metrics_path: Path | None = None) -> Path:
     reports_root.mkdir(parents=True, exist_ok=True)
-    by_id: dict[str, tuple[str, Section]] = {}
+    # a table id may be judged by more than one study (G4-T1: the kernels' lines and checkpointing's)
+    by_id: dict[str, list[tuple[str, Section]]] = {}
     stale: dict[str, list[str]] = {}
     for name, study in studies.items():
         with use_knobs(params.verdicts):
             sections, stale[name] = render_study(study, params, raw, results_root, reports_root)
         for section in sections:
-            by_id[section.table_id] = (name, section)
+            by_id.setdefault(section.table_id, []).append((name, section))
     lines = [
         "# Reports: every guide table and claim, regenerated\n",
         "Each row is a table or claim id of the performance guides, as the project's index lists them "
@@ -134,19 +135,27 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
     ]
     details = []
     for table_id, guide in guide_figures().items():
-        if table_id in by_id:
-            study, section = by_id[table_id]
-            counts = pd.Series([v.verdict for v in section.verdicts]).value_counts()
+        entries = by_id.get(table_id, [])
+        if entries:
+            counts = pd.Series([v.verdict for _, s in entries for v in s.verdicts]).value_counts()
             summary = ", ".join(f"{n} {k}" for k, n in counts.items()) or "table only"
-            link = f"[{study}]({study}.md#{_anchor(section)})"
-            details.append(f"## {table_id}: {section.title}\n\nSee {link}.\n\n"
-                           + (_verdict_table(section.verdicts) if section.verdicts else "") + "\n")
+            # one study: its section; several: each study's report (a cell stays short)
+            link = f"[{entries[0][0]}]({entries[0][0]}.md#{_anchor(entries[0][1])})" if len(entries) == 1 else \
+                ", ".join(f"[{study}]({study}.md)" for study, _ in entries)
+            for study, section in entries:
+                details.append(f"## {table_id}: {section.title}\n\nSee [{study}]({study}.md#{_anchor(section)}).\n\n"
+                               + (_verdict_table(section.verdicts) if section.verdicts else "") + "\n")
         else:
             summary, link = "not measured yet", "-"
-        old = stale.get(by_id[table_id][0], []) if table_id in by_id else []
+        old = sorted({t for study, _ in entries for t in stale.get(study, [])})
         flag = f"STALE: {', '.join(old)} (other params than params.yaml)" if old else "-"
         lines.append(f"| {table_id} | {guide['title']} | {guide['holds']} | {guide['hardware']} | {link} | {summary} "
                      f"| {flag} |")
+    beyond = [(name, s) for table_id, entries in by_id.items() if table_id not in guide_figures()
+              for name, s in entries]
+    if beyond:  # the project's own studies, beside the guides' tables
+        lines += ["", "Beyond the guides: " + ", ".join(f"[{name}: {s.title}]({name}.md#{_anchor(s)})"
+                                                      for name, s in beyond) + "."]
     (reports_root / "README.md").write_text("\n".join(lines) + "\n\n" + "\n".join(details))
     if metrics_path is not None:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
