@@ -20,8 +20,8 @@ TOY = {"models": ["hydra_small"], "batch": 2, "seq_len": 32,
 def _params(update=None):
     raw = copy.deepcopy(load_raw(PARAMS))
     # PyTorch's MLP and norm: the zoo's kernels run interpreted under the tests' TRITON_INTERPRET
-    raw["models"]["hydra_small"].update({"dim": 128, "n_layers": 4, "vocab_size": 128, "max_seq_len": 64,
-                                         "mlp": "gelu", "norm": "layernorm"})
+    raw["models"]["hydra_small"].update({"dim": 128, "n_layers": 4, "vocab_size": 128, "mlp": "gelu",
+                                         "norm": "layernorm"})
     raw["G4-T3"]["cpu"].update({**TOY, **(update or {})})
     return validate(raw)
 
@@ -56,7 +56,7 @@ def test_every_granularity_is_measured_and_the_report_judges_by_size(tmp_path):
 @pytest.mark.parametrize("update, message", [
     ({"granularities": ["full", "none"]}, "granularities start with 'none'"),
     ({"models": ["hydra_2b"]}, "G4-T3.cpu.models: 'hydra_2b' is not a preset of models"),
-    ({"seq_len": 4096}, "is over models.hydra_small.max_seq_len"),
+    ({"seq_len": 4096}, "G4-T3.cpu.seq_len=4096 is over models.hydra_small.max_seq_len"),
 ])
 def test_bad_sweeps_name_the_key(update, message):
     with pytest.raises(ConfigError) as err:

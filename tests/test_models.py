@@ -182,7 +182,7 @@ def test_bad_model_configs_name_the_key(update, message, tmp_path):
     import yaml
 
     raw = yaml.safe_load(PARAMS.read_text())
-    name = sorted(raw["models"])[0]
+    name = "g0_transformer"
     raw["models"][name] = {**raw["models"][name], **update}
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(raw))

@@ -475,6 +475,37 @@ class CheckpointingSweep(_Section):
         return v
 
 
+class TrainRun(_Section):
+    """The train stage: each of ``models`` trained from scratch for ``steps`` steps of ``batch`` x ``seq_len``
+    byte tokens (vocabulary 256) of Python's standard-library sources, AdamW at ``lr`` with ``warmup`` linear
+    steps then a cosine to a tenth; the training loss every ``log_every`` steps, the validation loss (over
+    ``eval_batches`` fixed windows of the held-out files) every ``eval_every`` and at the end."""
+
+    models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
+    batch: PositiveInt
+    seq_len: PositiveInt
+    steps: PositiveInt
+    lr: float = Field(gt=0)
+    warmup: NonNegativeInt = 0
+    log_every: PositiveInt = 10
+    eval_every: PositiveInt = 100
+    eval_batches: PositiveInt = 8
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    val_percent: float = Field(5.0, gt=0, lt=100)  # the held-out share of the files
+    seed: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "TrainRun":
+        if self.warmup >= self.steps:
+            raise ValueError(f"warmup={self.warmup} must be below steps={self.steps}")
+        return self
+
+
+class TrainSection(ByProfile):
+    cpu: TrainRun | None = None
+    gpu: TrainRun | None = None
+
+
 class G4T3Section(ByProfile):
     cpu: CheckpointingSweep
     gpu: CheckpointingSweep
@@ -518,6 +549,7 @@ class Params(BaseModel):
     models: dict[str, ModelConfig] = {}  # the model zoo's presets (adaattn.models)
     g0_t1: G0T1Section | None = Field(None, alias="G0-T1")
     g4_t3: G4T3Section | None = Field(None, alias="G4-T3")
+    train: TrainSection | None = None
 
     @model_validator(mode="after")
     def _ladder_models(self) -> Params:
@@ -533,15 +565,18 @@ class Params(BaseModel):
             if "ada" in sec.rungs and self.models[sec.model].positions != "learned":
                 raise ValueError(f"G0-T1.{profile}.rungs: 'ada' needs models.{sec.model}.positions 'learned' "
                                  "(AdaAttention takes no rotary positions)")
-        for profile in ("cpu", "gpu"):
-            sweep = getattr(self.g4_t3, profile, None) if self.g4_t3 else None
-            for name in sweep.models if sweep else ():
-                if name not in self.models:
-                    raise ValueError(f"G4-T3.{profile}.models: {name!r} is not a preset of models; allowed: "
-                                     f"{', '.join(self.models)}")
-                if sweep.seq_len > self.models[name].max_seq_len:
-                    raise ValueError(f"G4-T3.{profile}.seq_len={sweep.seq_len} is over models.{name}.max_seq_len")
+        for section, key in ((self.train, "train"), (self.g4_t3, "G4-T3")):
+            for profile in ("cpu", "gpu"):
+                run = getattr(section, profile, None) if section else None
+                for name in run.models if run else ():
+                    self._check_preset(f"{key}.{profile}", name, run.seq_len)
         return self
+
+    def _check_preset(self, where: str, name: str, seq_len: int) -> None:
+        if name not in self.models:
+            raise ValueError(f"{where}.models: {name!r} is not a preset of models; allowed: {', '.join(self.models)}")
+        if seq_len > self.models[name].max_seq_len:
+            raise ValueError(f"{where}.seq_len={seq_len} is over models.{name}.max_seq_len")
 
     @field_validator("models")
     @classmethod
@@ -585,7 +620,10 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             parent = _allowed_keys(e["loc"][:-1])
             msg = f"unknown key; allowed keys here: {', '.join(parent)}" if parent else "unknown key"
-        lines.append(f"  {loc}: {msg} (got {e.get('input')!r})")
+        got = e.get("input")
+        # a check across sections names its keys in the message; the input it got is the whole file
+        shown = f" (got {got!r})" if not isinstance(got, dict) or len(repr(got)) <= 200 else ""
+        lines.append(f"  {loc or 'params'}: {msg}{shown}")
     return "\n".join(lines)
 
 

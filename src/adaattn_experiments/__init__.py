@@ -7,6 +7,7 @@ from adaattn_experiments.kernels import STUDY as KERNELS
 from adaattn_experiments.precision import STUDY as PRECISION
 from adaattn_experiments.rank import STUDY as RANK
 from adaattn_experiments.scaling import STUDY as SCALING
+from adaattn_experiments.train import STUDY as TRAIN
 from adaattn_experiments.training import STUDY as TRAINING
 
 STUDIES = {
@@ -18,4 +19,5 @@ STUDIES = {
     CPU_BASELINE.name: CPU_BASELINE,
     TRAINING.name: TRAINING,
     CHECKPOINTING.name: CHECKPOINTING,
+    TRAIN.name: TRAIN,
 }

@@ -24,7 +24,8 @@ from adaattn.bench.results import read_results
 KEY_TAG = "adaattn.key"  # "<study>/<target>" on parent runs
 SHA_TAG = "adaattn.results_sha256"
 FORMAT_TAG = "adaattn.log_format"
-LOG_FORMAT = "5"  # what a run holds: a file logged in another format is logged again
+LOG_FORMAT = "6"  # what a run holds: a file logged in another format is logged again
+STEP = "step"  # a results column of training steps: its rows are one run's metric histories, not runs apart
 
 
 def tracking_uri(root: Path) -> str:
@@ -68,22 +69,23 @@ def _child_runs(df: pd.DataFrame, config_columns: list[str]):
     within one (a per-head estimate, say): each distinct row is its own run's metric, none overwrites another."""
     runs = df[df["case_id"] != "machine"]
     for (case_id, provider), grp in runs.groupby(["case_id", "provider"], sort=False):
-        cols = [c for c in config_columns if c in grp]
+        cols = [c for c in config_columns if c in grp and c != STEP]
         varying = [c for c in cols if grp[c].nunique(dropna=False) > 1]
         for values, sub in (grp.groupby(varying, sort=False, dropna=False) if varying else [((), grp)]):
             first = sub.iloc[0]
             params = {c: _clean(first[c]) for c in cols}
             params.update(provider=provider, table_id=_clean(first["table_id"]))
-            metrics: dict[str, float] = {}
+            metrics: dict[str, list[tuple[float, int]]] = {}  # key -> (value, step): a curve is a history
             tags = {"table_id": _clean(first["table_id"]), "case_id": case_id}
             for _, r in sub.iterrows():
                 mode = _clean(r["mode"])
                 key = _key(mode, r["metric"])
+                step = int(r[STEP]) if STEP in r and not pd.isna(r[STEP]) else 0
                 if r["status"] == "ok" and not pd.isna(r["value"]):
-                    metrics[key] = float(r["value"])
+                    metrics.setdefault(key, []).append((float(r["value"]), step))
                     if not pd.isna(r["p20"]):
-                        metrics[f"{key}_p20"] = float(r["p20"])
-                        metrics[f"{key}_p80"] = float(r["p80"])
+                        metrics.setdefault(f"{key}_p20", []).append((float(r["p20"]), step))
+                        metrics.setdefault(f"{key}_p80", []).append((float(r["p80"]), step))
                 tags[_tag("status", mode)] = r["status"]
                 if _clean(r["reason"]):
                     tags[_tag("reason", mode)] = _clean(r["reason"])[:5000]
@@ -134,9 +136,10 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
         # opens on the parents, their children folded under them, however many children there are
         child = client.create_run(exp_id, run_name=name, start_time=ts, tags={
             "mlflow.parentRunId": pid, "study": study, **prov, **tags})
-        client.log_batch(child.info.run_id,
-                         metrics=[Metric(k, v, ts, 0) for k, v in metrics.items()],
-                         params=[Param(k, v) for k, v in params.items()])
+        points = [Metric(k, v, ts, step) for k, vs in metrics.items() for v, step in vs]
+        client.log_batch(child.info.run_id, metrics=points[:1000], params=[Param(k, v) for k, v in params.items()])
+        for i in range(1000, len(points), 1000):  # MLflow takes at most 1000 metrics a batch (a long curve)
+            client.log_batch(child.info.run_id, metrics=points[i:i + 1000])
         client.set_terminated(child.info.run_id, end_time=ts)
     for art in artifacts:
         client.log_artifact(pid, str(art), artifact_path="figures")

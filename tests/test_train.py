@@ -1,0 +1,104 @@
+"""The train stage on the CPU at toy size: the corpus (the standard library's sources as bytes, a split by
+file), the learning-rate schedule, a run that logs the loss curve and the validation loss, saves weights that
+load back to the same validation loss, and a report; MLflow keeps a curve as one run's metric history."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from adaattn.config import ConfigError, load_raw, validate
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+TOY = {"batch": 2, "seq_len": 32, "steps": 6, "lr": 0.003, "warmup": 2, "log_every": 2, "eval_every": 3,
+       "eval_batches": 2, "dtype": "fp32"}
+
+
+def _params(update=None):
+    raw = copy.deepcopy(load_raw(PARAMS))
+    # PyTorch's MLP and norm: the zoo's kernels run interpreted under the tests' TRITON_INTERPRET
+    for name in raw["train"]["cpu"]["models"]:
+        raw["models"][name].update({"n_layers": 3, "mlp": "gelu", "norm": "layernorm"})
+    raw["train"]["cpu"].update({**TOY, **(update or {})})
+    return validate(raw)
+
+
+def test_the_corpus_is_the_stdlib_split_by_file(tmp_path):
+    from adaattn.models.data import batch, load_corpus, stdlib_files
+
+    for rel in ("a.py", "pkg/b.py", "site-packages/x.py", "test/t.py", "pkg/tests/u.py", "c.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"# {rel}\n" * 50)
+    assert [p.relative_to(tmp_path).as_posix() for p in stdlib_files(tmp_path)] == ["a.py", "pkg/b.py"]
+    corpus = load_corpus(val_percent=50, root=tmp_path)
+    again = load_corpus(val_percent=50, root=tmp_path)
+    assert corpus.info == again.info and torch.equal(corpus.val, again.val)  # the split is the files' paths'
+    assert corpus.info["files"] == 2 and corpus.train.numel() + corpus.val.numel() == sum(
+        p.stat().st_size + 1 for p in stdlib_files(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    b = batch(corpus.train, 3, 16, g)
+    assert b.shape == (3, 17) and b.dtype == torch.long and int(b.max()) < 256
+    with pytest.raises(ValueError, match="cannot hold a window"):
+        batch(corpus.train[:10], 1, 16, g)
+
+
+def test_the_schedule_warms_up_then_decays_to_a_tenth():
+    from adaattn_experiments.train import lr_factor
+
+    assert [lr_factor(s, 4, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(4, 4, 20) == 1.0 and lr_factor(19, 4, 20) > 0.1 and lr_factor(20, 4, 20) == pytest.approx(0.1)
+    assert all(lr_factor(s, 4, 20) >= lr_factor(s + 1, 4, 20) for s in range(4, 20))
+
+
+def test_a_run_logs_curves_and_its_weights_load_back_to_the_same_validation_loss(tmp_path):
+    from adaattn.models.data import VOCAB, batch, load_corpus
+    from adaattn.models.train import Trainer, load_model
+    from adaattn.tracking.mlflow_log import _child_runs
+    from adaattn_experiments.train import Train, evaluate
+    from adaattn_experiments.train_report import render
+
+    params = _params()
+    study = Train("cpu", tmp_path / "weights")
+    assert study.cases(params, params.targets["cpu"]) == []
+    rows = study.extra_rows(params, params.targets["cpu"])
+    df = pd.DataFrame([{"p20": None, "p80": None, **r, "target": "cpu", "hardware": "test cpu"} for r in rows])
+    assert (df.status == "ok").all(), df[df.status != "ok"]
+    run = params.train.cpu
+    for model in run.models:
+        mine = df[df.model == model]
+        assert list(mine[mine.metric == "train_loss"].step) == [2, 4, 6]
+        assert list(mine[mine.metric == "val_loss"].step) == [3, 6]
+        assert mine[mine.metric == "tokens_per_s"].value.item() > 0
+        # the weights load back: the same validation loss on the same held-out windows
+        loaded = load_model(tmp_path / "weights" / "cpu" / f"{model}.pt")
+        assert loaded.cfg.vocab_size == VOCAB
+        held = torch.Generator().manual_seed(run.seed + 1)
+        corpus = load_corpus(run.val_percent)
+        val = [batch(corpus.val, run.batch, run.seq_len, held) for _ in range(run.eval_batches)]
+        logged = mine[(mine.metric == "val_loss") & (mine.step == 6)].value.item()
+        optimizer = torch.optim.AdamW(loaded.parameters())
+        assert evaluate(Trainer(loaded, optimizer, dtype="fp32"), val) == pytest.approx(logged, rel=1e-5)
+    (section,) = render(df, tmp_path)
+    assert all(m in section.markdown for m in run.models) and (tmp_path / "train_loss_cpu.png").exists()
+    # MLflow: one run per model, each curve a metric's history over the steps
+    runs = list(_child_runs(df[df.provider != "corpus"], study.config_columns))
+    assert sorted(name.split(" · ")[0] for name, *_ in runs) == sorted(run.models)
+    (_, _, metrics, _) = runs[0]
+    assert [step for _, step in metrics["step.train_loss"]] == [2, 4, 6]
+    assert math.isfinite(metrics["eval.val_loss"][-1][0])
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"warmup": 6}, "warmup=6 must be below steps=6"),
+    ({"models": ["hydra_7b"]}, "train.cpu.models: 'hydra_7b' is not a preset of models"),
+    ({"lr": 0}, "lr"),
+])
+def test_bad_runs_name_the_key(update, message):
+    with pytest.raises(ConfigError) as err:
+        _params(update)
+    assert message in str(err.value)
