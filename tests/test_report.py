@@ -87,3 +87,24 @@ def test_a_table_id_judged_by_two_studies_keeps_both_in_the_index(tmp_path):
     checkpointing = (reports / "verdicts" / "checkpointing.csv").read_text().count("\nG4-T1,")
     counts = json.loads((tmp_path / "metrics.json").read_text())
     assert kernels and checkpointing and sum(counts["G4-T1"].values()) == kernels + checkpointing
+
+
+def test_g1_c1_reads_a_fused_forwards_hbm_traffic_against_the_runs_copy_bandwidth(tmp_path):
+    """q, k, v read and the output written once, over the forward's time, over the same run's copy GB/s."""
+    import pandas as pd
+
+    from adaattn.report.common import fmt
+    from adaattn_experiments.attention_backends_report import render
+
+    df = pd.concat([pd.read_csv(p) for p in sorted((REPO / "results/attention_backends").glob("*.csv"))])
+    (g1_c1,) = [s for s in render(df, tmp_path) if s.table_id == "G1-C1"]
+    by_target = {v.hardware: v.verdict for v in g1_c1.verdicts}
+    cpu_hw = df[df.target == "cpu"].hardware.iloc[0]
+    assert by_target.pop(cpu_hw) == "not measurable here" and by_target
+    rows = df[(df.target == "cpu") & (df.provider == "sdpa") & (df["mode"] == "fwd") & (df.metric == "time_ms")
+              & (df.status == "ok")]
+    copy = df[(df.target == "cpu") & (df.metric == "copy_gbps")].value.iloc[0]
+    size = rows.dtype.map({"fp32": 4, "bf16": 2, "fp16": 2})
+    gbps = 4 * rows.batch * rows.seq_len * rows.heads * rows.head_dim * size / (rows.value / 1e3) / 1e9
+    (line,) = [ln for ln in g1_c1.markdown.splitlines() if ln.startswith("| cpu") and "| sdpa " in ln]
+    assert f" {fmt((gbps / copy).median())} " in line, line

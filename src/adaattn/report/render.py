@@ -53,7 +53,7 @@ def render_study(study: Any, params: Params, raw: dict, results_root: Path,
     judged = [s for s in sections if s.verdicts]
     hashes = _current_hashes(study, params, raw, df)
     lines = [
-        f"# Study `{study.name}` ({', '.join(study.table_ids)})\n",
+        f"# Study `{study.name}` ({', '.join(dict.fromkeys(s.table_id for s in sections))})\n",  # what it renders
         "Rendered by `adaattn report` from `results/" + study.name + "/*.csv` only. Regenerate with `dvc repro`. "
         "The verdicts first; the tables and figures behind them follow, then where the numbers come from.\n",
     ]
