@@ -87,7 +87,8 @@ def _g4_t3(target: str, model: str, hw: str, peak: pd.Series, params_m: float | 
         return []
     g = guide_figures()["G4-T3"]["figures"][row]
     ratio, claimed = with_ / without, g["with_gb"] / g["without_gb"]
-    verdict = judge((ratio, ratio), (claimed, claimed), higher_is_better=False, tolerance=knobs().guide_memory_tolerance)
+    verdict = judge((ratio, ratio), (claimed, claimed), higher_is_better=False,
+                    tolerance=knobs().guide_memory_tolerance)
     return [Verdict("G4-T3", f"{row}: {g['without_gb']:g} GB without, {g['with_gb']:g} GB with checkpointing",
                     f"{g['without_gb']:g} GB without, {g['with_gb']:g} GB with: {claimed:.2f}x",
                     f"{without * GB:.3g} GB without, {with_ * GB:.3g} GB with: {ratio:.2f}x", hw, verdict,

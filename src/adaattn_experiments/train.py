@@ -122,7 +122,8 @@ class Train(StudyDef):
                     ms = elapsed * 1e3 / len(losses)
                     loss = float(torch.stack(losses).mean())
                     rows += [{**row, "mode": "step", "step": step, "metric": "train_loss", "value": loss,
-                              "unit": "nats", "samples": len(losses), "reason": "mean over the steps since the last row"},
+                              "unit": "nats", "samples": len(losses),
+                              "reason": "mean over the steps since the last row"},
                              {**row, "mode": "step", "step": step, "metric": "step_ms", "value": ms, "unit": "ms",
                               "samples": len(losses), "reason": "wall time per step since the last row, synchronized"}]
                     if not first:  # the first interval holds the allocator's and the kernels' first calls

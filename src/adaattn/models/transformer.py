@@ -135,8 +135,8 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_base) \
             if cfg.positions != "learned" else None
-        every = cfg.mod_every
-        self.blocks = nn.ModuleList(Block(cfg, self.rope, routed=cfg.mod_capacity is not None and i % every == every - 1)
+        mod = cfg.mod_capacity is not None  # MoD: every mod_every-th block routes
+        self.blocks = nn.ModuleList(Block(cfg, self.rope, routed=mod and i % cfg.mod_every == cfg.mod_every - 1)
                                     for i in range(cfg.n_layers))
         # recursion r >= 1 of the shared stack has its own router (recursion 0 takes every token)
         self.recursion_routers = nn.ModuleList(Router(cfg.dim) for _ in range(cfg.recursions - 1))
