@@ -215,11 +215,25 @@ def test_a_measured_signature_costs_a_few_rounds_not_seconds(monkeypatch):
     calls = []
     monkeypatch.setattr(rounds_mod, "interleaved_samples_ms",
                         lambda c, device, rounds, seed=0, turn="call": calls.append((len(c), rounds)) or [[1.0]] * len(c))
+    # warm-ups as equal as the manager's candidates' (a loaded machine's real ones can leave one contender alone)
+    def warm(times):
+        def warm_ms(call, device, calls=2):
+            call()  # a candidate that cannot run still fails here
+            return next(times)
+        return warm_ms
+
+    monkeypatch.setattr(rounds_mod, "warm_ms", warm(iter([1.0] * 100)))
     km = AttentionKernelManager()
     q = torch.randn(1, 4, 64, 8)
     km(q, q, q)
     (n, rounds), = calls
-    assert n <= 4 and km_mod.ROUNDS[0] <= rounds <= km_mod.ROUNDS[1]
+    assert 1 < n <= 4 and km_mod.ROUNDS[0] <= rounds <= km_mod.ROUNDS[1]
+    # a candidate whose warm-up is more than CONTENDER x the fastest's takes no rounds; one left takes none
+    spread = iter(range(100))
+    monkeypatch.setattr(rounds_mod, "warm_ms", warm(10.0 ** next(spread) for _ in range(100)))
+    calls.clear()
+    AttentionKernelManager()(q, q, q)
+    assert calls == [] and next(spread) == n  # every candidate warmed up, none ranked in rounds
 
 
 # --------------------------------------------------------------------------- GPU
