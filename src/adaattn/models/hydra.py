@@ -53,8 +53,8 @@ class CCGQAttention(nn.Module):
         H, G, D, K = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.conv_kernel
         self.down = nn.Linear(cfg.dim, (H + 2 * G) * D, bias=False)
         self.out = nn.Linear(H * D, cfg.dim, bias=False)
-        # Conv1d weights (out, in / groups, K), initialised as Conv1d does, with a positive centre tap
-        # (identity at the current token) so that a fresh layer starts near plain attention
+        # Conv1d weights (out, in / groups, K), initialised as Conv1d does, plus 1 on each channel's own last tap
+        # (the current token): a fresh layer starts near the identity
         self.q_seq, self.q_mix = nn.Parameter(torch.empty(H * D, 1, K)), nn.Parameter(torch.empty(H * D, D, K))
         self.k_seq, self.k_mix = nn.Parameter(torch.empty(G * D, 1, K)), nn.Parameter(torch.empty(G * D, D, K))
         for w in (self.q_seq, self.q_mix, self.k_seq, self.k_mix):
@@ -76,14 +76,14 @@ class CCGQAttention(nn.Module):
         # half the mean q head, so q and k share a component whatever the grouping
         q = q.view(B, S, H, D) + 0.5 * k0.view(B, S, G, D).mean(2, keepdim=True)
         k = k.view(B, S, G, D) + 0.5 * q0.view(B, S, H, D).mean(2, keepdim=True)
-        # in the compute dtype: autocast runs the norm inside F.normalize in fp32, and an fp32 q or k (or an fp32
-        # temperature) sends SDPA to its math path, which keeps S x S fp32 scores for the backward
+        # in the compute dtype: autocast runs the norm inside F.normalize in fp32, and SDPA's fused kernels take
+        # q, k and v of one low-precision dtype
         q = F.normalize(q, dim=-1).to(v.dtype)
         k = (F.normalize(k, dim=-1) * self.temperature).to(v.dtype)
         if pos is None:
             q, k = self.rope(q, k)
         else:
-            self.rope.ensure(S)
+            self.rope.ensure(S)  # gathered positions reach the whole sequence's: the first block ensured it
             q = rotate_at(q, self.rope.cos, self.rope.sin, pos)
             k = rotate_at(k, self.rope.cos, self.rope.sin, pos)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, G, D).transpose(1, 2)
