@@ -476,7 +476,7 @@ class CheckpointingSweep(_Section):
 
 
 class TrainRun(_Section):
-    """The train stage: each of ``models`` trained from scratch for ``steps`` steps of ``batch`` x ``seq_len``
+    """The train stage: each of ``models`` trained from fresh weights for ``steps`` steps of ``batch`` x ``seq_len``
     byte tokens (vocabulary 256) of Python's standard-library sources, AdamW at ``lr`` with ``warmup`` linear
     steps then a cosine to a tenth; the training loss every ``log_every`` steps, the validation loss (over
     ``eval_batches`` fixed windows of the held-out files) every ``eval_every`` and at the end."""

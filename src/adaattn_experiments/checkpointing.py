@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from adaattn.bench.harness import Case, Workload, classify_error
-from adaattn.bench.memory import peak_memory_bytes
+from adaattn.bench.memory import peak_row
 from adaattn.bench.runner import StudyDef, target_sections
 from adaattn.bench.side_by_side import side_by_side_rows
 from adaattn.config import CheckpointingSweep, Params, Target
@@ -84,8 +84,7 @@ class Checkpointing(StudyDef):
                  "status": "ok", "reason": "the card's training FLOPs per token x the batch's tokens"},
                 {**base, "provider": "model", "mode": "step", "metric": "params_m", "value": counts["total"] / 1e6,
                  "unit": "M parameters", "status": "ok", "reason": "every tensor once (a tied head is the embedding)"}]
-        state = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, Tensor)]
-        held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *state])
+        held = trainer.held_bytes()
         for gran in sweep.granularities:
             model.set_checkpointing(gran, sweep.every)
             rows += self._memory_rows(base, gran, trainer, batch, held)
@@ -98,32 +97,16 @@ class Checkpointing(StudyDef):
         rows += side_by_side_rows([(base, "step", steps)], self.device, keep=list(sweep.granularities),
                                   rounds=sweep.side_by_side, seed=sweep.seed, prefix="step_")
         model.set_checkpointing("none")
-        del model, optimizer, trainer, state
+        del model, optimizer, trainer
         return rows
 
     def _memory_rows(self, base: dict, gran: str, trainer: Trainer, batch: Tensor, held: int) -> list[dict]:
-        rows = []
-        x, y = batch[:, :-1], batch[:, 1:]
-
-        def forward() -> Tensor:  # the loss and the graph the backward would walk (freed when it returns)
-            logits, aux = trainer.forward(x, return_aux=True)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-            return loss if aux is None else loss + aux
-
-        for metric, fn, extra, reason in (
-                ("step_peak_mem_mb", lambda: trainer.train_step(batch), held,
-                 "weights and optimizer state held, and one step's peak over them"),
-                ("fwd_peak_mem_mb", forward, 0, "the forward's peak over what was held before it (training mode)")):
-            row = {**base, "provider": gran, "mode": "step", "metric": metric, "unit": "MiB"}
-            try:
-                with torch.enable_grad():
-                    peak = peak_memory_bytes(fn, self.device)
-            except Exception as err:  # noqa: BLE001 - out of memory (say) is a status row; the others go on
-                status, reason = classify_error(err)
-                rows.append({**row, "value": None, "status": status, "reason": reason})
-                continue
-            rows.append({**row, "value": (extra + peak) / MIB, "status": "ok", "reason": reason})
-        return rows
+        row = {**base, "provider": gran, "mode": "step"}
+        # the forward: the loss and the graph the backward would walk (freed when it returns)
+        return [peak_row({**row, "metric": "step_peak_mem_mb"}, lambda: trainer.train_step(batch), self.device, held,
+                         "weights and optimizer state held, and one step's peak over them"),
+                peak_row({**row, "metric": "fwd_peak_mem_mb"}, lambda: trainer.loss(batch[:, :-1], batch[:, 1:])[1],
+                         self.device, 0, "the forward's peak over what was held before it (training mode)")]
 
     def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
         from adaattn_experiments.checkpointing_report import render

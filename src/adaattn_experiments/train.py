@@ -1,5 +1,5 @@
 """The train stage: each model of ``train.<profile>.models`` (HYDRA and a dense model of equal parameters)
-trained from scratch on the same real text, the same batches in the same order, for the same steps.
+trained from fresh weights on the same real text, the same batches in the same order, for the same steps.
 
 Text: Python's standard-library sources as bytes (``models.data``), a held-out share of the files for
 validation. Each model: ``create_optimized_training_setup`` (AdamW, fused on a GPU; autocast to the run's

@@ -38,8 +38,9 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                       "validation loss": fmt(val), "bits / byte": fmt(val / math.log(2) if val else None),
                       "tokens/s": fmt(tokens_s), "MFU (measured GEMM)": fmt(mfu),
                       "weights MiB": fmt(last("weights_mb")), "status": "ok"})
-    text = ("Each model trained from scratch for the same steps on the same batches of Python's standard-library "
-            "sources as bytes (vocabulary 256), a held-out share of the files for validation (`models/data.py`). "
+    text = ("Each model trained from fresh weights for the same steps on the same batches of Python's "
+            "standard-library sources as bytes (vocabulary 256), a held-out share of the files for validation "
+            "(`models/data.py`). "
             "Validation loss: nats per byte in eval mode, where HYDRA's routers route causally. tokens/s: the steps "
             "after the first logged interval. MFU: the card's model FLOPs over the step time, against the GEMM "
             "rate measured in the same run. Corpus per target: "

@@ -20,8 +20,8 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from adaattn.bench.harness import Case, Workload, classify_error
-from adaattn.bench.memory import peak_memory_bytes
+from adaattn.bench.harness import Case, Workload
+from adaattn.bench.memory import peak_row
 from adaattn.bench.runner import StudyDef, target_sections
 from adaattn.bench.side_by_side import side_by_side_rows
 from adaattn.config import Params, Target
@@ -154,18 +154,9 @@ class Training(StudyDef):
                      "unit": "MiB", "status": "ok", "reason": "the parameters, fp32 (autocast computes in bf16)"})
         for rung in rungs:  # a step's memory: the rung's weights, gradients and optimizer state, and its peak
             trainer = self.trainer(rung)
-            state = [t for st in trainer.optimizer.state.values() for t in st.values() if isinstance(t, Tensor)]
-            held = sum(t.numel() * t.element_size() for t in [*trainer.model.parameters(), *state])
-            row = {**base, "provider": rung, "mode": "step", "metric": "step_peak_mem_mb", "unit": "MiB"}
-            try:
-                with torch.enable_grad():
-                    peak = peak_memory_bytes(lambda: trainer.train_step(self._inputs()), self.device)
-            except Exception as err:  # noqa: BLE001 - out of memory (say) is a status row; the others go on
-                status, reason = classify_error(err)
-                rows.append({**row, "value": None, "status": status, "reason": reason})
-                continue
-            rows.append({**row, "value": (held + peak) / 2**20, "status": "ok",
-                         "reason": "weights and optimizer state held, and one step's peak over them"})
+            rows.append(peak_row({**base, "provider": rung, "mode": "step", "metric": "step_peak_mem_mb"},
+                                 lambda: trainer.train_step(self._inputs()), self.device, trainer.held_bytes(),
+                                 "weights and optimizer state held, and one step's peak over them"))
         return rows
 
     def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:

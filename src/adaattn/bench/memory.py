@@ -86,3 +86,17 @@ def peak_memory_bytes(fn: Callable[[], object], device: str) -> int:
 
 def kernels_ran(fn: Callable[[], object], device: str, top: int = 3) -> str:
     return profiled_call(fn, device, top).kernels
+
+
+def peak_row(row: dict, fn: Callable[[], object], device: str, held: int = 0, reason: str = "") -> dict:
+    """``row`` with the value (MiB) of ``held`` bytes and ``fn``'s peak over them, grad enabled; a call that
+    fails (out of memory, say) is the row's status and reason, so that the rows after it still run."""
+    from adaattn.bench.harness import classify_error
+
+    try:
+        with torch.enable_grad():
+            peak = peak_memory_bytes(fn, device)
+    except Exception as err:  # noqa: BLE001 - a status row says why
+        status, why = classify_error(err)
+        return {**row, "value": None, "unit": "MiB", "status": status, "reason": why}
+    return {**row, "value": (held + peak) / 2**20, "unit": "MiB", "status": "ok", "reason": reason}

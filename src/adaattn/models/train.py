@@ -129,11 +129,7 @@ class Trainer:
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         self.model.train()
         with tf32_mode(self.tf32):
-            logits, aux = self.forward(inputs, return_aux=True)
-            loss = (criterion or _cross_entropy)(logits.float(), targets)
-            del logits  # B x S x vocab: not kept through the backward, where the loss's gradients peak
-            # a routed model's routers learn, beside the loss, whether a token makes their top k (causal inference)
-            total = loss if aux is None else loss + self.model.cfg.router_aux_weight * aux
+            loss, total = self.loss(inputs, targets, criterion)
             self.scaler.scale(total).backward()
         self.scaler.unscale_(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -143,6 +139,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"loss": loss.detach(), "grad_norm": norm.detach(), "tokens": targets.numel()}
+
+    def loss(self, inputs: Tensor, targets: Tensor,
+             criterion: Callable[[Tensor, Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """(the loss, what the backward takes: the loss and a routed model's auxiliary router loss, weighted), in
+        the caller's grad mode and the model's mode. The B x S x vocab logits are not returned: they are not kept
+        through the backward, where the loss's gradients peak."""
+        logits, aux = self.forward(inputs, return_aux=True)
+        loss = (criterion or _cross_entropy)(logits.float(), targets)
+        # a routed model's routers learn, beside the loss, whether a token makes their top k (causal inference)
+        return loss, loss if aux is None else loss + self.model.cfg.router_aux_weight * aux
+
+    def held_bytes(self) -> int:
+        """What a step holds between steps: the weights and the optimizer's state."""
+        state = [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, Tensor)]
+        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *state])
 
     def forward(self, inputs: Tensor, return_aux: bool = False) -> Tensor | tuple[Tensor, Tensor | None]:
         """The model's logits as a step computes them (autocast, TF32 as the trainer sets them), in the
