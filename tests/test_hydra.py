@@ -115,17 +115,45 @@ def test_bad_hydra_configs_name_the_key(update, message):
         _hydra(**update)
 
 
-def test_ccgqa_attends_in_the_compute_dtype_under_autocast(monkeypatch):
-    """An fp32 q or k (autocast runs F.normalize's norm in fp32) would send SDPA to its math path on a GPU."""
+def test_ccgqa_gives_sdpa_what_its_fused_kernels_take(monkeypatch):
+    """q, k and v in one low-precision dtype with a contiguous head dim, routed or not: an fp32 q or k (autocast
+    runs F.normalize's norm in fp32) or a strided head dim (the convolutions' channels-first output) sends SDPA
+    to its math path on a GPU, which keeps the fp32 (B, H, S, S) scores."""
     import torch.nn.functional as F
 
     seen = []
     sdpa, normalize = F.scaled_dot_product_attention, F.normalize
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or sdpa(q, k, v, **kw))
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype, q.stride(-1), k.stride(-1), v.stride(-1)))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     # as CUDA's autocast does it (its norm is on the fp32 list); the CPU's keeps bf16
     monkeypatch.setattr(F, "normalize", lambda x, **kw: normalize(x.float(), **kw))
-    model = Transformer(_hydra(recursions=3, mod_capacity=0.5)).train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(_tokens(model.cfg)[:, :-1])
-    assert seen and set(seen) == {(torch.bfloat16,) * 3}
+    for routing in ({}, {"recursions": 3, "mod_capacity": 0.5}):
+        model = Transformer(_hydra(**routing)).train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(_tokens(model.cfg)[:, :-1])
+    assert seen and set(seen) == {(torch.bfloat16,) * 3 + (1, 1, 1)}
+
+
+@pytest.mark.parametrize("channels,groups,taps", [(12, 12, 3), (12, 3, 3), (8, 2, 4), (6, 1, 2)])
+@pytest.mark.parametrize("compiled_form", [False, True])
+def test_causal_conv_is_conv1d_padded_on_the_left(channels, groups, taps, compiled_form):
+    """CCGQA's convolutions, eager (cuDNN's) and in the form a compiled model takes (shifted multiply-adds, one
+    grouped GEMM), give F.conv1d's causal result and gradients: position t sees t - K + 1 .. t."""
+    import torch.nn.functional as F
+
+    from adaattn.models.hydra import _causal_conv, _causal_conv_taps
+
+    conv = _causal_conv_taps if compiled_form else _causal_conv
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, channels, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(channels, channels // groups, taps, dtype=torch.float64, generator=gen, requires_grad=True)
+    got = conv(x, w, groups)
+    want = F.conv1d(F.pad(x.transpose(1, 2), (taps - 1, 0)), w, groups=groups).transpose(1, 2)
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, (x, w), g), torch.autograd.grad(want, (x, w), g))

@@ -4,6 +4,8 @@ torch.compile(fullgraph=True), the on/off switches.
 On a CPU machine these run in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -155,7 +157,6 @@ def test_rope_in_place(triton_on, layout):
 
 def test_rope_in_place_is_tuned_apart():
     """In place and out of place are separate tuning keys (their fastest configs differ)."""
-    import importlib
 
     if not K.get_kernel_status()["use_triton_kernels"]:
         pytest.skip("the Triton kernels are off here")
@@ -238,7 +239,6 @@ def test_contiguous_rows_with_a_stray_size_one_stride():
 def test_tuned_config_is_looked_up_once_per_key():
     """The first call of a key chooses its config (the interpreter: the first config); later calls
     look it up: same config, same result."""
-    import importlib
 
     rn = importlib.import_module("adaattn.kernels.rms_norm")  # the module, not the function of that name
 
@@ -291,7 +291,6 @@ def test_specialization_separates_what_triton_compiles_for():
 def test_launcher_takes_tritons_launch_in_the_interpreter_or_when_switched_off():
     """The interpreter always takes Triton's own launch; on a GPU the direct launch is on by default
     and ``set_direct_launch(False)`` turns it off (same values either way)."""
-    import importlib
 
     from adaattn.kernels import runtime
 
@@ -335,7 +334,6 @@ def test_without_grad_the_forward_launches_directly(kernel):
 def test_tuning_problems_run(name):
     """Every launcher's tuning problem builds from its key and runs (here at a few KB, in the
     interpreter): the key layout and the example factory agree."""
-    import importlib
 
     module, attr = name.split(".")
     launch = getattr(importlib.import_module(f"adaattn.kernels.{module}"), attr.removesuffix("_inplace"))
@@ -458,3 +456,30 @@ def test_bad_inputs_are_rejected():
         K.apply_rope(_randn(1, 5, 2, 8), _randn(1, 5, 1, 8), cos, sin)  # cache shorter than S
     with pytest.raises(ValueError, match="even"):
         K.rope_cache(4, 7)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "fused_qkv", "bhds"])
+def test_custom_ops_fake_kernels_match_the_real_ones(layout):
+    """opcheck: each op's fake kernel gives the real one's shapes, dtypes and strides, whatever layout the
+    inputs have (inductor plans buffers from the fake: a mismatch fails at run time as an assert on strides)."""
+    B, S, Hq, Hkv, D = 2, 5, 4, 2, 8
+    if layout == "bhds":  # the head dim not contiguous: a (B, H, D, S) tensor seen as (B, S, H, D)
+        q = torch.randn(B, Hq, D, S, device=DEVICE).permute(0, 3, 1, 2)
+        k = torch.randn(B, Hkv, D, S, device=DEVICE).permute(0, 3, 1, 2)
+    else:
+        q, k = _qk(B, S, Hq, Hkv, D, torch.float32, layout)
+    cos, sin = K.rope_cache(S, D, device=DEVICE)
+    wq, wk = _randn(D), _randn(D)
+    rope = importlib.import_module("adaattn.kernels.rope")
+    torch.library.opcheck(rope.rope_op, (q, k, cos, sin, False))
+    qo, ko, rq, rk = rope.qk_norm_rope_fwd_op(q, k, wq, wk, cos, sin, 1e-6)
+    torch.library.opcheck(rope.qk_norm_rope_fwd_op, (q, k, wq, wk, cos, sin, 1e-6))
+    torch.library.opcheck(rope.qk_norm_rope_bwd_op, (torch.randn_like(qo), torch.randn_like(ko), q, k, wq, wk, rq, rk,
+                                                     cos, sin))
+    x = q.flatten(-2)  # (B, S, Hq D), contiguous or not as q is
+    rms_norm, swiglu = (importlib.import_module(f"adaattn.kernels.{m}") for m in ("rms_norm", "swiglu"))
+    y, rstd = rms_norm.rms_norm_fwd_op(x, _randn(Hq * D), 1e-6)
+    torch.library.opcheck(rms_norm.rms_norm_fwd_op, (x, _randn(Hq * D), 1e-6))
+    torch.library.opcheck(rms_norm.rms_norm_bwd_op, (torch.randn_like(y), x, _randn(Hq * D), rstd))
+    torch.library.opcheck(swiglu.swiglu_fwd_op, (x, torch.randn_like(x)))
+    torch.library.opcheck(swiglu.swiglu_bwd_op, (torch.randn_like(x), x, torch.randn_like(x)))

@@ -475,6 +475,32 @@ class CheckpointingSweep(_Section):
         return v
 
 
+class CcgqaSweep(_Section):
+    """G4-C1's attention: HYDRA's CCGQA attention layer against the SDPA GQA layer of the same width, query and kv
+    heads, a training call (forward and backward) per length, side by side, eager and (``compile``) compiled;
+    ``tokens`` per call (batch = tokens / length), autocast to ``dtype`` over fp32 weights as in training."""
+
+    models: Annotated[list[str], Field(min_length=1)]  # presets of `models` with attention ccgqa
+    seq_lens: Annotated[list[PositiveInt], Field(min_length=1)]
+    tokens: PositiveInt
+    compile: bool = True
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    side_by_side: Rounds
+    seed: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _whole_batches(self) -> CcgqaSweep:
+        for s in self.seq_lens:
+            if self.tokens % s:
+                raise ValueError(f"tokens={self.tokens} must be a multiple of every seq_lens entry; got {s}")
+        return self
+
+
+class G4C1Section(ByProfile):
+    cpu: CcgqaSweep
+    gpu: CcgqaSweep
+
+
 class TrainRun(_Section):
     """The train stage: each of ``models`` trained from fresh weights for ``steps`` steps of ``batch`` x ``seq_len``
     byte tokens (vocabulary 256) of Python's standard-library sources, AdamW at ``lr`` with ``warmup`` linear
@@ -529,6 +555,7 @@ class Verdicts(_Section):
     kernel_peer_ratio: float = Field(0.97, gt=0)  # G4-T1: our kernels at least this x the best peer's speed
     kernel_copy_fraction: float = Field(0.90, gt=0, le=1)  # G4-T1: forward at least this of copy bandwidth
     memory_estimate: float = Field(0.10, gt=0)  # G4-T3: the card's estimate within this of the measured peak
+    ccgqa_bound: float = Field(1.2, gt=0)  # G4-C1: CCGQA's training call at most this x SDPA GQA's (compiled)
 
 
 class Params(BaseModel):
@@ -549,6 +576,7 @@ class Params(BaseModel):
     models: dict[str, ModelConfig] = {}  # the model zoo's presets (adaattn.models)
     g0_t1: G0T1Section | None = Field(None, alias="G0-T1")
     g4_t3: G4T3Section | None = Field(None, alias="G4-T3")
+    g4_c1: G4C1Section | None = Field(None, alias="G4-C1")
     train: TrainSection | None = None
 
     @model_validator(mode="after")
@@ -570,6 +598,15 @@ class Params(BaseModel):
                 run = getattr(section, profile, None) if section else None
                 for name in run.models if run else ():
                     self._check_preset(f"{key}.{profile}", name, run.seq_len)
+        for profile in ("cpu", "gpu"):
+            run = getattr(self.g4_c1, profile, None) if self.g4_c1 else None
+            for name in run.models if run else ():
+                if name not in self.models:  # a layer, not the model: its lengths may pass max_seq_len
+                    raise ValueError(f"G4-C1.{profile}.models: {name!r} is not a preset of models; allowed: "
+                                     f"{', '.join(self.models)}")
+                if self.models[name].attention != "ccgqa":
+                    raise ValueError(f"G4-C1.{profile}.models: {name!r} has attention "
+                                     f"{self.models[name].attention!r}; the study compares 'ccgqa' presets")
         return self
 
     def _check_preset(self, where: str, name: str, seq_len: int) -> None:

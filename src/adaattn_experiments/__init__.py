@@ -1,6 +1,7 @@
 """The studies. A new study is one new file plus one line in ``STUDIES``."""
 
 from adaattn_experiments.attention_backends import STUDY as ATTENTION_BACKENDS
+from adaattn_experiments.ccgqa import STUDY as CCGQA
 from adaattn_experiments.checkpointing import STUDY as CHECKPOINTING
 from adaattn_experiments.cpu_baseline import STUDY as CPU_BASELINE
 from adaattn_experiments.kernels import STUDY as KERNELS
@@ -20,4 +21,5 @@ STUDIES = {
     TRAINING.name: TRAINING,
     CHECKPOINTING.name: CHECKPOINTING,
     TRAIN.name: TRAIN,
+    CCGQA.name: CCGQA,
 }

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from adaattn.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table,
-                                   save_figure)
+from adaattn.report.common import (Section, Verdict, cpu_targets, figure_link, fmt, guide_figures, judge, knobs,
+                                   md_table)
 
 GB = 2**20 / 1e9  # MiB -> GB (the guide's unit)
 
@@ -123,8 +122,5 @@ def _figure(runs: pd.DataFrame, peak: pd.Series, est: pd.Series, out_dir: Path) 
         grid.set_axis_labels("checkpointing", "training step peak (GB)")
         hw = runs[runs["target"] == target]["hardware"].iloc[0]
         grid.figure.suptitle(f"G4-T3 step memory on {hw} ({target}): measured peak and the card's estimate", y=1.03)
-        name = f"g4_t3_memory_{target}.png"
-        save_figure(grid.figure, out_dir / name)
-        plt.close("all")
-        parts.append(f"![step memory, {target}]({out_dir.name}/{name})\n")
+        parts.append(figure_link(grid.figure, out_dir, f"g4_t3_memory_{target}.png", f"step memory, {target}"))
     return "\n" + "\n".join(parts)

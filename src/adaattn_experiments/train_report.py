@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from adaattn.report.common import Section, fmt, md_table, save_figure
+from adaattn.report.common import Section, figure_link, fmt, md_table
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
@@ -58,8 +57,5 @@ def _curves(ok: pd.DataFrame, out_dir: Path) -> str:
                            height=3.5, aspect=1.6)
         grid.set_axis_labels("step", "loss (nats per byte)")
         grid.figure.suptitle(f"train: loss curves on {frame['hardware'].iloc[0]} ({target})", y=1.03)
-        name = f"train_loss_{target}.png"
-        save_figure(grid.figure, out_dir / name)
-        plt.close("all")
-        parts.append(f"![loss curves, {target}]({out_dir.name}/{name})\n")
+        parts.append(figure_link(grid.figure, out_dir, f"train_loss_{target}.png", f"loss curves, {target}"))
     return "\n" + "\n".join(parts) if parts else ""

@@ -382,7 +382,8 @@ def rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> t
 
 @rope_op.register_fake
 def _(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k)
+    # the layouts rope_apply gives (a head dim not contiguous is copied first): inductor plans buffers from these
+    return torch.empty_like(last_dim_contiguous(q)), torch.empty_like(last_dim_contiguous(k))
 
 
 def _rope_setup(ctx, inputs, output) -> None:
@@ -406,6 +407,7 @@ def qk_norm_rope_fwd_op(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor
 @qk_norm_rope_fwd_op.register_fake
 def _(q, k, q_weight, k_weight, cos, sin, eps):
     B, S, Hq, _ = q.shape
+    q, k = last_dim_contiguous(q), last_dim_contiguous(k)
     return (torch.empty_like(q), torch.empty_like(k), q.new_empty(B * S * Hq, dtype=torch.float32),
             q.new_empty(B * S * k.shape[2], dtype=torch.float32))
 
@@ -418,6 +420,7 @@ def qk_norm_rope_bwd_op(dq: Tensor, dk: Tensor, q: Tensor, k: Tensor, q_weight: 
 
 @qk_norm_rope_bwd_op.register_fake
 def _(dq, dk, q, k, q_weight, k_weight, rq, rk, cos, sin):
+    q, k = last_dim_contiguous(q), last_dim_contiguous(k)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight), torch.empty_like(k_weight)
 
 

@@ -139,7 +139,7 @@ def estimate_memory(cfg: ModelConfig, params: dict, batch: int, seq_len: int, dt
         if cfg.attention == "ccgqa":
             # the down-projection's output ((H + 2G) D), the convolutions' padded inputs (2 each of q and k),
             # the normalised q and k's inputs, the temperature's input (G D), and attention's q, k, v, output
-            # and the output's reshape: 7 H + 8 G head-widths in all
+            # and the output's reshape: 7 H + 8 G head-widths in all (eager: cuDNN's convolutions)
             kept = (7 * H + 8 * G) * D
         else:
             # the q, k, v projection's output ((H + 2G) D: v is a view of it), rotated q and k ((H + G) D, not

@@ -35,10 +35,30 @@ def rotate_at(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor) -> Tensor:
 
 
 def _causal_conv(x: Tensor, weight: Tensor, groups: int) -> Tensor:
-    """x (B, S, C) through a Conv1d weight (C, C / groups, K), padded on the left: position t sees t-K+1..t."""
+    """x (B, S, C) through a Conv1d weight (C, C / groups, K), padded on the left: position t sees t-K+1..t.
+    Eager: cuDNN's convolution. Compiled: the same sums as taps and one grouped GEMM (``_causal_conv_taps``),
+    which inductor fuses with the ops around them: the compiled layer ran faster so on the H100, the eager one
+    slower (docs/notebook.md)."""
+    if torch.compiler.is_compiling():
+        return _causal_conv_taps(x, weight, groups)
     K = weight.shape[-1]
     y = F.conv1d(F.pad(x.transpose(1, 2), (K - 1, 0)), weight, groups=groups)
-    return y.transpose(1, 2)
+    return y.transpose(1, 2)  # channels-first: the caller makes the last convolution's output contiguous
+
+
+def _causal_conv_taps(x: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """``_causal_conv`` as shifted multiply-adds (depthwise) or the taps side by side times the weight, one
+    batched GEMM over the groups: (B S, K Cg) x (K Cg, Cg)."""
+    B, S, C = x.shape
+    K, per_group = weight.shape[-1], weight.shape[1]
+    xp = F.pad(x, (0, 0, K - 1, 0))  # zeros before the first position
+    if per_group == 1:
+        w = weight[:, 0, :].to(x.dtype)  # (C, K), in x's dtype as autocast's conv1d has it (fp32 would promote)
+        return sum(xp[:, k:k + S] * w[:, k] for k in range(K))
+    Cg = C // groups
+    taps = torch.stack([xp[:, k:k + S] for k in range(K)], dim=2).view(B, S, K, groups, Cg)  # (B, S, K, G, Cg)
+    w = weight.view(groups, Cg, per_group, K)  # (G, out, in, K)
+    return torch.einsum("bskgi,goik->bsgo", taps, w).reshape(B, S, C)
 
 
 class CCGQAttention(nn.Module):
@@ -70,8 +90,9 @@ class CCGQAttention(nn.Module):
         q0, k0, v = self.down(x).split([H * D, G * D, G * D], dim=-1)  # (B, S, L), (B, S, G D) x 2
         half = G * D // 2  # value shift: the second half of v's channels from the token before
         v = torch.cat((v[..., :half], F.pad(v[:, :-1, half:], (0, 0, 1, 0))), dim=-1)
-        q = _causal_conv(_causal_conv(q0, self.q_seq, H * D), self.q_mix, H)
-        k = _causal_conv(_causal_conv(k0, self.k_seq, G * D), self.k_mix, G)
+        # contiguous (B, S, C): a head dim that is not contiguous sends SDPA to its math path
+        q = _causal_conv(_causal_conv(q0, self.q_seq, H * D), self.q_mix, H).contiguous()
+        k = _causal_conv(_causal_conv(k0, self.k_seq, G * D), self.k_mix, G).contiguous()
         # q-k mean coupling: each q head gets half the mean k head (before the convolutions), and each k head
         # half the mean q head, so q and k share a component whatever the grouping
         q = q.view(B, S, H, D) + 0.5 * k0.view(B, S, G, D).mean(2, keepdim=True)

@@ -169,3 +169,10 @@ def save_figure(fig: plt.Figure, path: Path) -> None:
     # no Software/date metadata: identical inputs give byte-identical PNGs
     fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
+
+
+def figure_link(fig: plt.Figure, out_dir: Path, name: str, alt: str) -> str:
+    """Save ``fig`` as ``out_dir/name`` (``save_figure``) and return the report's markdown line for it."""
+    save_figure(fig, out_dir / name)
+    plt.close("all")  # a seaborn grid's other figures too
+    return f"![{alt}]({out_dir.name}/{name})\n"

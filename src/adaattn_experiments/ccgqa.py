@@ -1,0 +1,124 @@
+"""The CCGQA study (G4-C1's attention): HYDRA's CCGQA attention layer (``models.hydra.CCGQAttention``: the
+down-projection, the convolutions, the attention in the latent, the up-projection) against the SDPA GQA layer of
+the same width, query and kv heads (``models.transformer.Attention``, attention ``sdpa``), a training call
+(forward and backward, the weights' gradients included) per preset and length, eager and compiled, side by side
+in shuffled rounds; and each call's peak memory. Autocast to the sweep's dtype over fp32 weights, as the model
+trains. The goal (``verdicts.ccgqa_bound``) is read on the compiled pair: compiled CCGQA's time over compiled
+SDPA GQA's, round by round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from adaattn.bench.harness import Case, Workload
+from adaattn.bench.memory import peak_row
+from adaattn.bench.runner import StudyDef, target_sections
+from adaattn.bench.side_by_side import call_of, side_by_side_rows
+from adaattn.config import CcgqaSweep, Params, Target
+from adaattn.layers import RotaryEmbedding
+from adaattn.models import ModelConfig
+from adaattn.models.hydra import CCGQAttention
+from adaattn.models.train import DTYPES
+from adaattn.models.transformer import Attention
+from adaattn.report.common import Section
+
+LAYERS = ("ccgqa", "sdpa_gqa")
+
+
+def sdpa_twin(cfg: ModelConfig) -> ModelConfig:
+    """The dense attention of a CCGQA preset's width, query and kv heads (head dim = width / heads)."""
+    return ModelConfig(**{**cfg.model_dump(), "attention": "sdpa", "compression": 1, "recursions": 1,
+                          "mod_capacity": None})
+
+
+class Ccgqa(StudyDef):
+    name = "ccgqa"
+    table_ids = ("G4-C1",)
+    config_columns = ["model", "batch", "seq_len", "dim", "heads", "kv_heads", "latent_head_dim"]
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+
+    def bind(self, device: str) -> Ccgqa:
+        return Ccgqa(device)
+
+    def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
+        sections = target_sections(raw, target_name, ("G4-C1",))
+        return {**sections, **{f"models.{m}": raw["models"][m] for m in sections["G4-C1"]["models"]}}
+
+    def cases(self, params: Params, target: Target) -> list[Case]:
+        return []  # a layer's training call, timed side by side: extra_rows measures it
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        sweep = getattr(params.g4_c1, target.profile)
+        rows: list[dict] = []
+        for name in sweep.models:
+            cfg = params.models[name]
+            torch.manual_seed(sweep.seed)
+            rope = {k: RotaryEmbedding(c.head_dim, max(sweep.seq_lens), device=self.device)
+                    for k, c in (("ccgqa", cfg), ("sdpa_gqa", sdpa_twin(cfg)))}
+            layers = {"ccgqa": CCGQAttention(cfg, rope["ccgqa"]).to(self.device),
+                      "sdpa_gqa": Attention(sdpa_twin(cfg), rope["sdpa_gqa"]).to(self.device)}
+            for S in sweep.seq_lens:
+                B = sweep.tokens // S
+                base = {"table_id": "G4-C1", "case_id": f"G4-C1/{name}-b{B}-s{S}", "kernel": "", "model": name,
+                        "batch": B, "seq_len": S, "dim": cfg.dim, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads,
+                        "latent_head_dim": cfg.head_dim}
+                builders = {}
+                for kind in LAYERS:
+                    for compiled in (False, True) if sweep.compile else (False,):
+                        builders[kind + (":compiled" if compiled else "")] = functools.partial(
+                            self._workload, layers[kind], compiled, B, S, cfg.dim, sweep)
+                rows += self._memory_rows(base, builders)
+                paired = "ccgqa:compiled" if sweep.compile else "ccgqa"
+                rows += side_by_side_rows([(base, "fwd_bwd", builders)], self.device, keep=list(builders),
+                                          rounds=sweep.side_by_side, seed=sweep.seed, paired=paired,
+                                          settle=params.verdicts.ccgqa_bound)
+            del layers
+        torch._dynamo.reset()
+        return rows
+
+    def _workload(self, layer: torch.nn.Module, compiled: bool, B: int, S: int, dim: int,
+                  sweep: CcgqaSweep) -> Workload:
+        # static shapes, one graph per length: dynamic=None would turn a second length into a dynamic graph
+        fn = torch.compile(layer, dynamic=False) if compiled else layer
+        x = torch.randn(B, S, dim, device=self.device, requires_grad=True)  # the fp32 residual stream
+        dtype = DTYPES[sweep.dtype]
+
+        def fwd() -> torch.Tensor:
+            with (torch.autocast(torch.device(self.device).type, dtype=dtype) if dtype != torch.float32
+                  else contextlib.nullcontext()):
+                return fn(x)
+
+        return Workload(fwd=fwd, inputs=[x, *layer.parameters()])  # the grads cleared before every call
+
+    def _memory_rows(self, base: dict, builders: dict) -> list[dict]:
+        """Each provider's training call's peak over what was held before it (its first call, a compile's
+        included, made before: ``call_of`` runs one)."""
+        rows = []
+        for name, build in builders.items():
+            row = {**base, "provider": name, "mode": "fwd_bwd", "metric": "peak_mem_mb"}
+            try:
+                call = call_of(build(), "fwd_bwd")
+            except Exception as err:  # noqa: BLE001 - side_by_side_rows gives this provider's error row
+                rows.append({**row, "value": None, "unit": "MiB", "status": "error",
+                             "reason": f"{type(err).__name__}: {err}"[:300]})
+                continue
+            rows.append(peak_row(row, call, self.device, 0,
+                                 "the training call's peak over what was held before it (weights, inputs)"))
+        return rows
+
+    def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
+        from adaattn_experiments.ccgqa_report import render
+
+        return render(df, out_dir)
+
+
+STUDY = Ccgqa()

@@ -1,0 +1,63 @@
+"""The CCGQA study (G4-C1's attention) on the CPU at toy size: each length's CCGQA and SDPA GQA training calls
+are timed side by side with their peak memory and the paired ratio; the report's goal is a GPU's; bad sweeps
+name their key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from adaattn.config import ConfigError, load_raw, validate
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+TOY = {"models": ["hydra_small"], "seq_lens": [16, 32], "tokens": 64, "compile": False, "dtype": "fp32",
+       "side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 3}}
+
+
+def _params(update=None):
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["models"]["hydra_small"].update({"dim": 64, "n_heads": 2, "n_kv_heads": 1, "compression": 2})
+    raw["G4-C1"]["cpu"].update({**TOY, **(update or {})})
+    return validate(raw)
+
+
+def test_each_length_is_timed_side_by_side_and_judged_on_a_gpu_only(tmp_path):
+    from adaattn_experiments.ccgqa import STUDY, sdpa_twin
+    from adaattn_experiments.ccgqa_report import render
+
+    params = _params()
+    cfg = params.models["hydra_small"]
+    twin = sdpa_twin(cfg)
+    assert (twin.attention, twin.n_heads, twin.kv_heads, twin.dim) == ("sdpa", cfg.n_heads, cfg.kv_heads, cfg.dim)
+    study = STUDY.bind("cpu")
+    rows = study.extra_rows(params, params.targets["cpu"])
+    df = pd.DataFrame([{**r, "target": "cpu", "hardware": "test cpu"} for r in rows])
+    assert (df.status == "ok").all(), df[df.status != "ok"]
+    for S, B in ((16, 4), (32, 2)):
+        at = df[df.seq_len == S]
+        assert set(at.batch) == {B}
+        assert sorted(at[at.metric == "side_by_side_ms"].provider) == ["ccgqa", "sdpa_gqa"]
+        assert sorted(at[at.metric == "peak_mem_mb"].provider) == ["ccgqa", "sdpa_gqa"]
+        (ratio,) = at[at.metric == "paired_ratio"].itertuples()
+        assert ratio.provider == "sdpa_gqa" and ratio.value > 0
+    (section,) = render(df, tmp_path)
+    assert {v.verdict for v in section.verdicts} == {"not measurable here"} and len(section.verdicts) == 2
+    assert "ccgqa / sdpa_gqa" in section.markdown and (tmp_path / "g4_c1_ccgqa_cpu.png").exists()
+    # on a GPU target the compiled pair is judged against the bound
+    gpu = df.assign(target="h100", hardware="test gpu", cuda="13.0")
+    (section,) = render(gpu, tmp_path)
+    # three rounds give no 95% interval of the median: the goal cannot be decided
+    assert [v.verdict for v in section.verdicts] == ["inconclusive"] * 2
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"tokens": 48}, "tokens=48 must be a multiple of every seq_lens entry; got 32"),
+    ({"models": ["hydra_2b"]}, "G4-C1.cpu.models: 'hydra_2b' is not a preset of models"),
+    ({"models": ["dense_small"]}, "'dense_small' has attention 'sdpa'; the study compares 'ccgqa' presets"),
+])
+def test_bad_sweeps_name_the_key(update, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _params(update)
