@@ -36,12 +36,14 @@ def build_model(cfg: ModelConfig | dict, device=None, dtype=None) -> Transformer
 
 def tiny(cfg: ModelConfig) -> ModelConfig:
     """The same architecture at toy sizes (the CPU tests' variant of a preset): 2 layers (3 with recursions),
-    width 32 x compression, the preset's head grouping kept where it fits."""
+    width 32 x compression, the preset's head grouping kept where it fits, LTM segments of 8."""
     heads = 4
     kv = max(1, heads // (cfg.n_heads // cfg.kv_heads))
     layers = 3 if cfg.recursions > 1 else 2  # a shared stack between a first and a last block
+    # LTM: segments of 8 writing 2 slots into banks of 4, so a short input reads, writes and merges
+    ltm = {"segment_len": 8, "memory_compression": 4, "memory_slots": 4} if cfg.memory_slots is not None else {}
     return ModelConfig(**{**cfg.model_dump(), "dim": 32 * cfg.compression, "n_layers": layers, "n_heads": heads,
-                          "n_kv_heads": kv, "vocab_size": 256, "mlp_hidden": None, "max_seq_len": 64})
+                          "n_kv_heads": kv, "vocab_size": 256, "mlp_hidden": None, "max_seq_len": 64, **ltm})
 
 
 __all__ = ["ModelConfig", "Transformer", "build_model", "tiny"]

@@ -68,8 +68,41 @@ def flops_per_token(cfg: ModelConfig, params: dict, seq_len: int) -> dict[str, f
     runs = applications(cfg, seq_len)
     share = sum(params["per_block"][i] * n for i, n in runs) / seq_len
     dense = 6.0 * (share + cfg.vocab_size * cfg.dim)
-    attention = 12.0 * cfg.n_heads * cfg.head_dim * sum(n * n for _, n in runs) / seq_len
+    if cfg.memory_slots is not None:  # LTM: each segment also attends over its layer's bank, written by matmuls
+        slots = [n for n, _ in memory_segments(cfg, seq_len)]
+        keys = sum(s * (n + s) for n, s in memory_segments(cfg, seq_len))
+        G, D, E, L = cfg.kv_heads, cfg.head_dim, cfg.dim, cfg.n_layers
+        # the slots' k and v projections, and the compressor's projection of a segment's new slots
+        writes = sum(s // cfg.memory_compression for _, s in memory_segments(cfg, seq_len))
+        dense += 6.0 * L * (2 * G * D * E * sum(slots) + E * E * writes) / seq_len
+        attention = 12.0 * cfg.n_heads * cfg.head_dim * L * keys / seq_len
+    else:
+        attention = 12.0 * cfg.n_heads * cfg.head_dim * sum(n * n for _, n in runs) / seq_len
     return {"dense": dense, "attention": attention, "train": dense + attention, "forward": (dense + attention) / 3}
+
+
+def ltm_bytes_per_layer(cfg: ModelConfig, seq_len: int, b: int, w: int) -> float:
+    """What an LTM layer keeps for the backward beyond a dense layer's, per sequence (not yet measured on a GPU):
+    per segment, the bank it reads (its fp32 slots and their normalised low-precision copy), the slots' k and v,
+    the keys and values expanded to the query heads over slots and segment, and the compressor's pooled input
+    and output for the slots it writes."""
+    H, G, D, E = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.dim
+    out = 0.0
+    for n, s in memory_segments(cfg, seq_len):
+        out += n * (E * w + E * b + 2 * G * D * b) + (n + s) * 2 * H * D * b
+        out += (s // cfg.memory_compression) * (E * w + E * b)
+    return out
+
+
+def memory_segments(cfg: ModelConfig, seq_len: int) -> list[tuple[int, int]]:
+    """An LTM forward over ``seq_len`` tokens, segment by segment: (the slots each layer's bank holds when the
+    segment reads it, the segment's tokens)."""
+    out, filled = [], 0
+    for start in range(0, seq_len, cfg.segment_len):
+        s = min(cfg.segment_len, seq_len - start)
+        out.append((filled, s))
+        filled = min(cfg.memory_slots, filled + s // cfg.memory_compression)
+    return out
 
 
 def _count_cpu_flash_attention() -> None:
@@ -112,6 +145,7 @@ def _on_meta(model: nn.Module) -> nn.Module:
 
     with torch.device("meta"):
         meta = Transformer(model.cfg)
+    meta.set_checkpointing("none")  # model FLOPs: a checkpointed preset's recomputation is not counted
     meta.train()
     return meta
 
@@ -174,6 +208,8 @@ def estimate_memory(cfg: ModelConfig, params: dict, batch: int, seq_len: int, dt
     tokens = batch * seq_len
     copies = params["matmul"] * b if b < w else 0  # autocast's low-precision weights, cast once a step
     activations = layers + routing + tokens * norm + copies + tokens * V * 4  # + final norm, fp32 log-probs
+    if cfg.memory_slots is not None:
+        activations += cfg.n_layers * batch * ltm_bytes_per_layer(cfg, seq_len, b, w)
     # as the backward starts: the gradient of the log-probabilities and the log-softmax's input gradient (fp32
     # each, beside the kept log-probabilities), and the head's gradient
     transient = tokens * V * 8 + V * E * w

@@ -64,6 +64,12 @@ class ModelConfig(BaseModel):
     mod_capacity: float | None = Field(None, gt=0, le=1)  # MoD: the fraction of tokens a routed block takes
     mod_every: PositiveInt = 2  # MoD: every mod_every-th block of the stack is routed
     router_aux_weight: float = Field(0.01, ge=0)  # the routers' causal (BCE) auxiliary loss, scaled
+    # LTM (guide 003; docs/models.md): each layer's memory bank of this many slots (None: no memory)
+    memory_slots: PositiveInt | None = None
+    segment_len: PositiveInt = 512  # LTM: the sequence runs in segments of this many tokens
+    memory_compression: PositiveInt = 4  # LTM: a segment of S tokens writes S / this slots
+    memory_merge: bool = True  # LTM: a full bank merges its oldest slots in pairs (False: evicts them)
+    memory_grad: bool = True  # LTM: gradients flow through the banks across a sequence's segments
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:
@@ -90,6 +96,19 @@ class ModelConfig(BaseModel):
         if self.routed and self.attention == "ada":
             raise ValueError("attention='ada' does not take routed (MoD / MoR) tokens: set recursions=1 and "
                              "mod_capacity=null, or another attention")
+        if self.memory_slots is not None:
+            if self.attention != "sdpa" or self.routed or self.kind != "decoder":
+                raise ValueError(f"memory_slots (LTM) is a dense causal decoder's with attention 'sdpa'; got "
+                                 f"attention={self.attention!r}, kind={self.kind!r}, routed={self.routed}")
+            if self.segment_len % self.memory_compression:
+                raise ValueError(f"memory_compression={self.memory_compression} must divide "
+                                 f"segment_len={self.segment_len}")
+            if self.memory_slots < self.segment_len // self.memory_compression:
+                raise ValueError(f"memory_slots={self.memory_slots} must hold one segment's slots: at least "
+                                 f"segment_len / memory_compression = {self.segment_len // self.memory_compression}")
+            if self.positions == "learned" and self.segment_len > self.max_seq_len:
+                raise ValueError(f"segment_len={self.segment_len} is over max_seq_len={self.max_seq_len} "
+                                 "(learned positions count within a segment)")
         if self.recursions > 1 and self.n_layers < 3:
             raise ValueError(f"recursions={self.recursions} shares the blocks between the first and the last: "
                              f"n_layers must be >= 3; got {self.n_layers}")

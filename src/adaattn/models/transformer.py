@@ -16,6 +16,8 @@ from torch import Tensor, nn
 from adaattn.attention.ada import AdaAttention
 from adaattn.layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP, flexible_attention
 from adaattn.models.config import ModelConfig
+from adaattn.models.generate import KVCache
+from adaattn.models.ltm import Compressor, empty_banks, memory_kv, memory_stats, segment_mask, write
 from adaattn.models.hydra import CCGQAttention, Router, capacity, gather, rotate_at, routed, scatter
 
 
@@ -56,9 +58,12 @@ class Attention(nn.Module):
         self.out = nn.Linear(H * D, cfg.dim, bias=cfg.bias)
         if cfg.positions == "qk_norm_rope":
             self.q_norm, self.k_norm = nn.Parameter(torch.ones(D)), nn.Parameter(torch.ones(D))
+        self.cache: KVCache | None = None  # inference: ``generate.setup_kv_cache``
 
-    def forward(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
-        """x (B, S, E); ``pos`` (B, S): the tokens' positions where a router gathered them (None: 0..S-1)."""
+    def forward(self, x: Tensor, pos: Tensor | None = None, memory: Tensor | None = None) -> Tensor:
+        """x (B, S, E); ``pos`` (B, S): the tokens' positions where a router gathered them, or where a KV cache
+        decodes (None: 0..S-1); ``memory`` (B, N, E): an LTM layer's bank, normalised, attended before the
+        segment (``models.ltm``)."""
         B, S, _ = x.shape
         H, G, D = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
         q, k, v = self.qkv(x).split([H * D, G * D, G * D], dim=-1)
@@ -74,7 +79,18 @@ class Attention(nn.Module):
             q, k = self.rope.with_qk_norm(q, k, self.q_norm, self.k_norm, self.cfg.norm_eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or G, S, D)
         causal = self.cfg.causal
-        if self.cfg.attention == "sdpa":
+        if self.cache is not None:  # the new tokens against every cached position up to theirs
+            if pos is None:
+                raise ValueError("a layer with a KV cache needs the tokens' positions (Transformer input_pos)")
+            k, v = self.cache.update(pos[0], k, v)  # (B, G, M, D)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.cache.mask(pos[0]), enable_gqa=G != H)
+        elif memory is not None:  # the bank's slots, then the segment causally
+            km, vm = memory_kv(memory, self.qkv.weight, self.qkv.bias, H, G, D)
+            k, v = torch.cat([km, k], dim=2), torch.cat([vm, v], dim=2)
+            if G != H:  # SDPA's fused kernels that take a mask take no GQA
+                k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=segment_mask(km.shape[2], S, x.device))
+        elif self.cfg.attention == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=G != H)
         elif self.cfg.attention == "flexible":
             out = flexible_attention(q, k, v, is_causal=causal, backend=self.cfg.flexible_backend)
@@ -110,11 +126,13 @@ class Block(GradientCheckpointMixin, nn.Module):
         self.mlp = SwiGLUMLP(cfg.dim, cfg.hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else \
             GeluMLP(cfg.dim, cfg.hidden, cfg.bias)
 
-    def _attend(self, x: Tensor, pos: Tensor | None) -> Tensor:
-        return self.attn(self.norm1(x), pos)
+    def _attend(self, x: Tensor, pos: Tensor | None, memory: Tensor | None = None) -> Tensor:
+        if memory is None:
+            return self.attn(self.norm1(x), pos)
+        return self.attn(self.norm1(x), pos, self.norm1(memory))  # the slots are past inputs of this layer
 
-    def forward(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
-        x = x + self.checkpointed(self._attend, x, pos)
+    def forward(self, x: Tensor, pos: Tensor | None = None, memory: Tensor | None = None) -> Tensor:
+        x = x + self.checkpointed(self._attend, x, pos, memory)
         return x + self.mlp(self.norm2(x))
 
 
@@ -144,7 +162,14 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        # LTM: each layer's bank writer; the banks themselves are state, passed in and out (``models.ltm``)
+        self.compressors = nn.ModuleList(Compressor(cfg.dim, cfg.memory_compression) for _ in range(cfg.n_layers)) \
+            if cfg.memory_slots is not None else None
+        self.memory_capacity = cfg.memory_slots
+        self.last_memory: list[Tensor] | None = None  # the banks after the last forward (detached)
         self.apply(self._init)
+        for c in self.compressors or ():
+            c.reset_parameters()
         self.set_checkpointing(cfg.checkpointing, cfg.checkpoint_every)
 
     def _init(self, m: nn.Module) -> None:
@@ -164,8 +189,20 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         for block in self.blocks:  # selective: inside each block; the rest: around blocks (``run_blocks``)
             block.set_checkpointing("selective" if granularity == "selective" else "none")
 
-    def forward(self, tokens: Tensor, return_aux: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, tokens: Tensor, return_aux: bool = False, input_pos: Tensor | None = None,
+                memory: list[Tensor] | None = None, return_memory: bool = False):
+        """``input_pos`` (S,): the tokens' positions, decoding with KV caches (``generate``; None: 0..S-1). An LTM
+        model reads ``memory`` (each layer's bank, as returned; None: empty banks) and with ``return_memory``
+        returns (logits, banks): a stream continued call by call equals one call over the whole sequence."""
         B, S = tokens.shape
+        if input_pos is not None:
+            return self._decode(tokens, input_pos)
+        if self.cfg.memory_slots is not None:
+            logits, banks = self._segments(tokens, memory)
+            out = (logits, logits.new_zeros((), dtype=torch.float32)) if return_aux else logits
+            return (out, banks) if return_memory else out
+        if memory is not None or return_memory:
+            raise ValueError("memory / return_memory are an LTM model's (memory_slots); this config has none")
         if S > self.cfg.max_seq_len and self.pos is not None:
             raise ValueError(f"sequence length {S} is over max_seq_len={self.cfg.max_seq_len} (learned positions)")
         if self.cfg.routed and not self.training and B > 1:  # inference routing is per sequence
@@ -182,6 +219,59 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         if not return_aux:
             return logits
         return logits, torch.stack(aux).mean() if aux else logits.new_zeros((), dtype=torch.float32)
+
+    def _segments(self, tokens: Tensor, banks: list[Tensor] | None) -> tuple[Tensor, list[Tensor]]:
+        """LTM: the tokens (B, S) in segments of ``segment_len``; before a segment runs through a layer, the
+        layer's inputs for it are compressed and written to its bank, which the next segment reads."""
+        cfg = self.cfg
+        B = tokens.shape[0]
+        if banks is None:
+            banks = empty_banks(len(self.blocks), B, cfg.dim, self.embed.weight)
+        elif len(banks) != len(self.blocks) or any(b.shape[0] != B or b.shape[2] != cfg.dim for b in banks):
+            raise ValueError(f"memory: one (B={B}, slots, {cfg.dim}) bank per layer ({len(self.blocks)}) expected")
+        outs = []
+        for start in range(0, tokens.shape[1], cfg.segment_len):
+            seg = tokens[:, start:start + cfg.segment_len]
+            x = self.embed(seg)  # (B, S, E)
+            if self.pos is not None:  # positions count within the segment
+                x = x + self.pos(torch.arange(seg.shape[1], device=seg.device))
+            written = []
+            for i, block in enumerate(self.blocks):
+                written.append(write(banks[i], self.compressors[i](x), self.memory_capacity, cfg.memory_merge))
+                x = self.run_block(block, i, x, None, banks[i] if banks[i].shape[1] else None)
+            banks = written if cfg.memory_grad else [b.detach() for b in written]
+            outs.append(self.head(self.norm(x)))
+        self.last_memory = [b.detach() for b in banks]
+        return torch.cat(outs, dim=1), banks
+
+    def get_memory_stats(self) -> dict:
+        """The banks after the last forward: slots filled per layer, capacity, utilization (guide 003's name)."""
+        if self.cfg.memory_slots is None:
+            raise ValueError("get_memory_stats is an LTM model's (memory_slots); this config has none")
+        return memory_stats(self.last_memory, self.memory_capacity)
+
+    def reduce_memory_slots(self, slots: int | None = None) -> int:
+        """Shrink the banks of later writes to ``slots`` (default: half), at least one segment's slots; returns
+        the new capacity (guide 003's name)."""
+        if self.cfg.memory_slots is None:
+            raise ValueError("reduce_memory_slots is an LTM model's (memory_slots); this config has none")
+        floor = self.cfg.segment_len // self.cfg.memory_compression
+        self.memory_capacity = max(floor, slots if slots is not None else self.memory_capacity // 2)
+        return self.memory_capacity
+
+    def _decode(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
+        """Logits (B, S, V) of tokens (B, S) at positions ``input_pos`` (S,), every layer reading and writing its
+        KV cache (a dense decoder: ``generate.check_decodable``)."""
+        B, S = tokens.shape
+        if getattr(self.blocks[0].attn, "cache", None) is None:
+            raise ValueError("input_pos decodes with KV caches: call generate.setup_kv_cache(model, batch) first")
+        x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos(input_pos)
+        pos = input_pos.expand(B, S)
+        for block in self.blocks:
+            x = block(x, pos)
+        return self.head(self.norm(x))
 
     def _routed(self, x: Tensor, aux: list[Tensor]) -> Tensor:
         B, S, _ = x.shape

@@ -1,0 +1,132 @@
+"""Autoregressive inference for the zoo's dense decoders: a static KV cache per attention layer (gpt-fast's
+pattern: preallocated (B, G, max, D) buffers written in place at the tokens' positions, so a decode step has
+the same shapes at every position and compiles once, CUDA graphs included), prefill, one-token decode and
+greedy or sampled generation.
+
+Shapes: B batch, S new tokens, G kv heads, D head dim, M the cache's length (``max_seq_len``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from adaattn.models.config import ModelConfig
+
+
+class KVCache(nn.Module):
+    """Keys and values of every position a layer has seen, (B, G, M, D) each, and the causal mask's rows."""
+
+    def __init__(self, batch: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        causal = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device).tril_()
+        self.register_buffer("causal", causal, persistent=False)
+
+    def update(self, pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, G, S, D) at positions ``pos`` (S,); return the whole cache (B, G, M, D) x 2."""
+        self.k.index_copy_(2, pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, pos, v.to(self.v.dtype))
+        return self.k, self.v
+
+    def mask(self, pos: Tensor) -> Tensor:
+        """(S, M) bool: the query at position p sees the cache's positions 0..p (later ones are zeros or stale)."""
+        return self.causal[pos]
+
+
+def _attention_layers(model: nn.Module) -> list[nn.Module]:
+    from adaattn.models.transformer import Attention
+
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def check_decodable(cfg: ModelConfig) -> None:
+    """KV-cache decoding runs a dense causal decoder with SDPA attention; anything else is named here."""
+    if cfg.kind != "decoder":
+        raise ValueError(f"kind={cfg.kind!r}: KV-cache decoding needs kind 'decoder' (causal)")
+    if cfg.attention != "sdpa":
+        raise ValueError(f"attention={cfg.attention!r}: KV-cache decoding supports attention 'sdpa' (ccgqa's "
+                         "convolutions and routing need their own decode state)")
+    if cfg.memory_slots is not None:
+        raise ValueError("memory_slots: an LTM model reads its sequence segment by segment (forward with memory=); "
+                         "its KV-cache decoding is not built")
+    if cfg.routed:
+        raise ValueError("recursions / mod_capacity: KV-cache decoding supports dense models (routing picks "
+                         "tokens from the whole sequence)")
+
+
+def setup_kv_cache(model: nn.Module, batch: int, max_seq_len: int | None = None,
+                   dtype: torch.dtype | None = None) -> None:
+    """Give every attention layer of ``model`` (a ``Transformer``) a ``KVCache`` of ``batch`` sequences of up to
+    ``max_seq_len`` tokens (default: the config's) in ``dtype`` (default: the weights'; bf16 under a bf16
+    autocast), on the weights' device."""
+    cfg: ModelConfig = model.cfg
+    check_decodable(cfg)
+    M = max_seq_len or cfg.max_seq_len
+    if M < 1 or batch < 1:
+        raise ValueError(f"batch={batch} and max_seq_len={M} must be at least 1")
+    if model.pos is not None and M > cfg.max_seq_len:
+        raise ValueError(f"max_seq_len={M} is over the config's {cfg.max_seq_len} (learned positions)")
+    weight = next(model.parameters())
+    if model.rope is not None:
+        model.rope.ensure(M)  # before any compilation: the cache does not grow inside a graph
+    for layer in _attention_layers(model):
+        layer.cache = KVCache(batch, cfg.kv_heads, M, cfg.head_dim, dtype or weight.dtype, weight.device)
+
+
+def clear_kv_cache(model: nn.Module) -> None:
+    for layer in _attention_layers(model):
+        layer.cache = None
+
+
+def prefill(model: nn.Module, prompt: Tensor) -> Tensor:
+    """Run ``prompt`` (B, P) through the model into the caches; the logits at its last position (B, V)."""
+    pos = torch.arange(prompt.shape[1], device=prompt.device)
+    return model(prompt, input_pos=pos)[:, -1]
+
+
+def decode_one(model: nn.Module, token: Tensor, pos: Tensor) -> Tensor:
+    """One new token per sequence, ``token`` (B, 1) at position ``pos`` (1,): its logits (B, V). Shapes do not
+    depend on the position: compile it once (``torch.compile(decode_one, mode="reduce-overhead")``)."""
+    return model(token, input_pos=pos)[:, -1]
+
+
+def sample(logits: Tensor, temperature: float = 0.0, generator: torch.Generator | None = None) -> Tensor:
+    """(B, V) -> (B, 1): the argmax at temperature 0, else a draw from softmax(logits / temperature)."""
+    if temperature == 0.0:
+        return logits.argmax(-1, keepdim=True)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: float = 0.0,
+             decode: Callable[[nn.Module, Tensor, Tensor], Tensor] = decode_one,
+             generator: torch.Generator | None = None) -> Tensor:
+    """``prompt`` (B, P) and ``new_tokens`` more (B, P + new_tokens): prefill, then one ``decode`` per token (pass
+    a compiled ``decode_one``). The caches must hold B sequences of P + new_tokens (``setup_kv_cache``)."""
+    if new_tokens < 0:
+        raise ValueError(f"new_tokens={new_tokens} must be at least 0")
+    layers = _attention_layers(model)
+    cache = layers[0].cache if layers else None
+    if cache is None:
+        raise ValueError("no KV cache: call setup_kv_cache(model, batch, max_seq_len) first")
+    B, P = prompt.shape
+    if B != cache.k.shape[0] or P + new_tokens > cache.k.shape[2]:
+        raise ValueError(f"prompt (B={B}, P={P}) + {new_tokens} new tokens does not fit the cache "
+                         f"(batch {cache.k.shape[0]}, max_seq_len {cache.k.shape[2]})")
+    out = [prompt]
+    if new_tokens == 0:
+        return prompt
+    token = sample(prefill(model, prompt), temperature, generator)
+    out.append(token)
+    for i in range(new_tokens - 1):
+        pos = torch.tensor([P + i], device=prompt.device)
+        token = sample(decode(model, token, pos), temperature, generator)
+        out.append(token)
+    return torch.cat(out, dim=1)

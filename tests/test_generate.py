@@ -1,0 +1,90 @@
+"""KV-cache inference on the CPU: prefill gives the full forward's logits, greedy generation with the cache gives
+the tokens of recomputing the whole sequence at every step (rotary, GQA, learned positions, QK-norm), the decode
+step compiles with fullgraph and agrees, and what cannot decode says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaattn.models import ModelConfig, Transformer
+from adaattn.models.generate import clear_kv_cache, decode_one, generate, setup_kv_cache
+
+# PyTorch's MLP and norm keep the tests fast (the zoo's kernels run interpreted under TRITON_INTERPRET)
+BASE = {"vocab_size": 61, "dim": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 24, "mlp": "gelu",
+        "norm": "layernorm", "positions": "rope"}
+VARIANTS = {"rope_gqa": {"n_kv_heads": 2}, "learned": {"positions": "learned"},
+            "qk_norm_rope": {"positions": "qk_norm_rope", "n_kv_heads": 1}}
+
+
+def _model(**kw) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**{**BASE, **kw})).eval()
+
+
+def _prompt(b: int = 2, p: int = 5) -> torch.Tensor:
+    return torch.randint(0, BASE["vocab_size"], (b, p), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@torch.no_grad()
+def test_cached_generation_is_the_full_forward(variant):
+    model = _model(**VARIANTS[variant])
+    prompt = _prompt()
+    # greedy by recomputing everything at every step
+    want = prompt
+    for _ in range(8):
+        want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    setup_kv_cache(model, batch=2, max_seq_len=16)
+    got = generate(model, prompt, 8)
+    assert torch.equal(got, want)
+    # the cache's prefill logits are the full forward's, at every position
+    clear_kv_cache(model)
+    full = model(prompt)
+    setup_kv_cache(model, batch=2, max_seq_len=16)
+    torch.testing.assert_close(model(prompt, input_pos=torch.arange(5)), full, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_decode_step_compiles_once_and_agrees():
+    model = _model(n_kv_heads=2)
+    setup_kv_cache(model, batch=2, max_seq_len=16)
+    eager = generate(model, _prompt(), 6)
+    setup_kv_cache(model, batch=2, max_seq_len=16)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # other tests' graphs
+    compiled = torch.compile(decode_one, fullgraph=True, dynamic=False, backend="aot_eager")
+    assert torch.equal(generate(model, _prompt(), 6, decode=compiled), eager)
+    # the position is a tensor: the later steps reuse the first graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_sampling_follows_the_generator():
+    model = _model()
+    setup_kv_cache(model, batch=2, max_seq_len=16)
+    a = generate(model, _prompt(), 5, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    b = generate(model, _prompt(), 5, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and a.shape == (2, 10)
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"attention": "ccgqa", "n_kv_heads": 2}, "attention='ccgqa': KV-cache decoding supports attention 'sdpa'"),
+    ({"kind": "encoder"}, "kind='encoder'"),
+    ({"recursions": 3, "n_layers": 3}, "recursions / mod_capacity"),
+])
+def test_what_cannot_decode_is_named(update, message):
+    with pytest.raises(ValueError, match=message):
+        setup_kv_cache(_model(**update), batch=1)
+
+
+def test_generation_checks_the_cache():
+    model = _model()
+    with pytest.raises(ValueError, match="no KV cache"):
+        generate(model, _prompt(), 3)
+    with pytest.raises(ValueError, match="setup_kv_cache"):
+        model(_prompt(), input_pos=torch.arange(5))
+    setup_kv_cache(model, batch=2, max_seq_len=8)
+    with pytest.raises(ValueError, match=r"does not fit the cache \(batch 2, max_seq_len 8\)"):
+        generate(model, _prompt(), 4)
+    with pytest.raises(ValueError, match="over the config's 24"):
+        setup_kv_cache(_model(positions="learned"), batch=1, max_seq_len=64)
