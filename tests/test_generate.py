@@ -88,3 +88,23 @@ def test_generation_checks_the_cache():
         generate(model, _prompt(), 4)
     with pytest.raises(ValueError, match="over the config's 24"):
         setup_kv_cache(_model(positions="learned"), batch=1, max_seq_len=64)
+
+
+@torch.no_grad()
+def test_a_sliding_window_sees_its_window_and_decodes_alike():
+    from adaattn.models.transformer import window_mask
+
+    assert window_mask(4, 2).tolist() == [[True, False, False, False], [True, True, False, False],
+                                          [False, True, True, False], [False, False, True, True]]
+    model = _model(n_kv_heads=2, attention_window=3)
+    prompt = _prompt(p=6)
+    # a token's logits do not depend on tokens more than (window - 1) x layers before it
+    later = prompt.clone()
+    later[:, 0] = (later[:, 0] + 1) % BASE["vocab_size"]
+    torch.testing.assert_close(model(prompt)[:, 5], model(later)[:, 5])
+    assert not torch.allclose(model(prompt)[:, 4], model(later)[:, 4])
+    want = prompt
+    for _ in range(6):
+        want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    setup_kv_cache(model, batch=2, max_seq_len=16)
+    assert torch.equal(generate(model, prompt, 6), want)

@@ -79,10 +79,10 @@ def test_a_layer_attends_over_its_bank_as_a_reference_says():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("update", [{}, {"memory_merge": False}, {"positions": "qk_norm_rope"}])
 @torch.no_grad()
-def test_a_stream_of_calls_is_one_call(merge):
-    model = _ltm(memory_merge=merge).eval()
+def test_a_stream_of_calls_is_one_call(update):
+    model = _ltm(**update).eval()
     tokens = _tokens(s=40)
     whole = model(tokens)
     banks, parts = None, []
@@ -135,6 +135,7 @@ def test_a_few_steps_lower_the_loss():
     ({"memory_compression": 3}, "memory_compression=3 must divide segment_len=8"),
     ({"memory_slots": 1}, "memory_slots=1 must hold one segment's slots: at least segment_len / memory_compression"),
     ({"positions": "learned", "max_seq_len": 4}, "segment_len=8 is over max_seq_len=4"),
+    ({"attention_window": 4}, "attention_window is a dense causal decoder's with attention 'sdpa' and no memory"),
 ])
 def test_bad_ltm_configs_name_the_key(update, message):
     with pytest.raises(ValueError, match=message):

@@ -64,6 +64,8 @@ class ModelConfig(BaseModel):
     mod_capacity: float | None = Field(None, gt=0, le=1)  # MoD: the fraction of tokens a routed block takes
     mod_every: PositiveInt = 2  # MoD: every mod_every-th block of the stack is routed
     router_aux_weight: float = Field(0.01, ge=0)  # the routers' causal (BCE) auxiliary loss, scaled
+    # sliding-window attention: a token sees itself and the window - 1 before it (None: the whole prefix)
+    attention_window: PositiveInt | None = None
     # LTM (guide 003; docs/models.md): each layer's memory bank of this many slots (None: no memory)
     memory_slots: PositiveInt | None = None
     segment_len: PositiveInt = 512  # LTM: the sequence runs in segments of this many tokens
@@ -96,6 +98,10 @@ class ModelConfig(BaseModel):
         if self.routed and self.attention == "ada":
             raise ValueError("attention='ada' does not take routed (MoD / MoR) tokens: set recursions=1 and "
                              "mod_capacity=null, or another attention")
+        if self.attention_window is not None and (self.attention != "sdpa" or self.kind != "decoder"
+                                                  or self.memory_slots is not None or self.routed):
+            raise ValueError(f"attention_window is a dense causal decoder's with attention 'sdpa' and no memory; "
+                             f"got attention={self.attention!r}, kind={self.kind!r}")
         if self.memory_slots is not None:
             if self.attention != "sdpa" or self.routed or self.kind != "decoder":
                 raise ValueError(f"memory_slots (LTM) is a dense causal decoder's with attention 'sdpa'; got "

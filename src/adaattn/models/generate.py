@@ -20,12 +20,14 @@ class KVCache(nn.Module):
     """Keys and values of every position a layer has seen, (B, G, M, D) each, and the causal mask's rows."""
 
     def __init__(self, batch: int, kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, window: int | None = None):
         super().__init__()
         shape = (batch, kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         causal = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device).tril_()
+        if window is not None:  # a sliding window's band (the cache still holds every position)
+            causal = causal.triu_(1 - window)
         self.register_buffer("causal", causal, persistent=False)
 
     def update(self, pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,7 +78,8 @@ def setup_kv_cache(model: nn.Module, batch: int, max_seq_len: int | None = None,
     if model.rope is not None:
         model.rope.ensure(M)  # before any compilation: the cache does not grow inside a graph
     for layer in _attention_layers(model):
-        layer.cache = KVCache(batch, cfg.kv_heads, M, cfg.head_dim, dtype or weight.dtype, weight.device)
+        layer.cache = KVCache(batch, cfg.kv_heads, M, cfg.head_dim, dtype or weight.dtype, weight.device,
+                              cfg.attention_window)
 
 
 def clear_kv_cache(model: nn.Module) -> None:

@@ -34,6 +34,21 @@ class GeluMLP(nn.Module):
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 
+def window_mask(S: int, window: int, device=None) -> Tensor:
+    """(S, S) bool: query i sees keys i - window + 1 .. i."""
+    i = torch.arange(S, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA under a boolean mask, the kv heads expanded to the query heads (SDPA's fused kernels that take a
+    mask take no GQA)."""
+    r = q.shape[1] // k.shape[1]
+    if r > 1:
+        k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
     """matmul, softmax, matmul with the S x S scores in memory: the guides' standard attention."""
     groups = q.shape[1] // k.shape[1]
@@ -86,10 +101,12 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.cache.mask(pos[0]), enable_gqa=G != H)
         elif memory is not None:  # the bank's slots, then the segment causally
             km, vm = memory_kv(memory, self.qkv.weight, self.qkv.bias, H, G, D)
+            if self.cfg.positions == "qk_norm_rope":  # the slots' keys normalised as the segment's are
+                km = F.rms_norm(km, (D,), self.k_norm, self.cfg.norm_eps)
             k, v = torch.cat([km, k], dim=2), torch.cat([vm, v], dim=2)
-            if G != H:  # SDPA's fused kernels that take a mask take no GQA
-                k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=segment_mask(km.shape[2], S, x.device))
+            out = masked_attention(q, k, v, segment_mask(km.shape[2], S, x.device))
+        elif self.cfg.attention_window is not None:  # causal within the window: a band mask
+            out = masked_attention(q, k, v, window_mask(S, self.cfg.attention_window, x.device))
         elif self.cfg.attention == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=G != H)
         elif self.cfg.attention == "flexible":

@@ -1,0 +1,130 @@
+"""Guide 003's serving helpers: ``find_optimal_batch_size`` (the largest batch a call runs at, found on the
+device with out-of-memory recovery, cached), a ``MemoryMonitor`` and a ``ThroughputTracker`` with a live
+progress line (rich).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def find_optimal_batch_size(run: Callable[[int], object], max_batch: int, start: int = 1, device: str = "cuda",
+                            cache: Path | None = None, key: str | None = None) -> int:
+    """The largest batch in [start, max_batch] at which ``run(batch)`` completes: doubling from ``start`` until a
+    call runs out of memory, then a binary search between the last batch that ran and the first that did not
+    (memory freed after each failure; any other error is raised). With ``cache`` and ``key`` (say the model, the
+    length and the GPU), a search already made returns its answer without running anything. Raises
+    ``RuntimeError`` if even ``start`` runs out of memory."""
+    if not 1 <= start <= max_batch:
+        raise ValueError(f"start={start} and max_batch={max_batch}: need 1 <= start <= max_batch")
+    if (cache is None) != (key is None):
+        raise ValueError("cache and key go together: the cache is keyed by what the batch size depends on")
+    answers = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
+    if key in answers:
+        return int(answers[key])
+
+    def fits(batch: int) -> bool:
+        try:
+            run(batch)
+            return True
+        except Exception as err:
+            if not _is_oom(err):
+                raise
+            return False
+        finally:
+            _free(device)
+
+    good, bad = 0, max_batch + 1  # the largest batch that ran; the smallest known not to (or past the range)
+    batch = start
+    while good < max_batch:
+        if not fits(batch):
+            bad = batch
+            break
+        good, batch = batch, min(2 * batch, max_batch)
+    if good == 0:
+        raise RuntimeError(f"batch {start} runs out of memory: nothing smaller to try")
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    if cache is not None:
+        answers[key] = good
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(answers, indent=1, sort_keys=True) + "\n")
+    return good
+
+
+class MemoryMonitor:
+    """Peak memory over a block: ``with MemoryMonitor("cuda") as m: ...`` then ``m.peak_mb`` (the allocator's
+    peak of allocated bytes over what was allocated on entry) and ``m.reserved_mb`` (its peak reserved). On a CPU
+    both read the process's peak resident size (the OS's, over the process's life)."""
+
+    def __init__(self, device: str = "cuda"):
+        self.device = device
+        self.peak_mb = self.reserved_mb = 0.0
+
+    def __enter__(self) -> MemoryMonitor:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.peak_mb = (torch.cuda.max_memory_allocated() - self._base) / 2**20
+            self.reserved_mb = torch.cuda.max_memory_reserved() / 2**20
+        else:
+            import resource
+
+            self.peak_mb = self.reserved_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class ThroughputTracker:
+    """Tokens per second over the calls ``update``d, with a live progress line: ``with ThroughputTracker(total)
+    as t: ...; t.update(tokens)``; ``t.tokens_per_s`` after. ``sync`` (torch.cuda.synchronize on a GPU) runs
+    before each reading, so a rate is of work done, not of work queued."""
+
+    def __init__(self, total_steps: int, description: str = "tokens", sync: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, show: bool = True):
+        self.total, self.sync, self.clock = total_steps, sync or (lambda: None), clock
+        self.tokens, self.seconds = 0, 0.0
+        self._progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                  TextColumn("{task.fields[rate]}"), disable=not show)
+
+    def __enter__(self) -> ThroughputTracker:
+        self._progress.start()
+        self._task = self._progress.add_task("", total=self.total, rate="")
+        self.sync()
+        self._start = self.clock()
+        return self
+
+    def update(self, tokens: int) -> None:
+        self.sync()
+        self.tokens += tokens
+        self.seconds = self.clock() - self._start
+        self._progress.update(self._task, advance=1, rate=f"{self.tokens_per_s:,.0f} tokens/s")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()

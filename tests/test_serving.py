@@ -1,0 +1,62 @@
+"""Guide 003's serving helpers on the CPU: the batch-size search against a fake out-of-memory limit (doubling,
+then bisection; memory errors recovered, others raised; the answer cached), the throughput tracker on a fake
+clock, the memory monitor's reading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaattn.models.serving import MemoryMonitor, ThroughputTracker, find_optimal_batch_size
+
+
+def _limited(limit: int, calls: list[int]):
+    def run(batch: int) -> None:
+        calls.append(batch)
+        if batch > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    return run
+
+
+@pytest.mark.parametrize("limit, max_batch, want", [(37, 1024, 37), (1, 64, 1), (500, 100, 100), (64, 64, 64)])
+def test_the_search_finds_the_largest_batch_that_runs(limit, max_batch, want):
+    calls: list[int] = []
+    assert find_optimal_batch_size(_limited(limit, calls), max_batch, device="cpu") == want
+    assert max(b for b in calls if b <= limit) == want and len(calls) <= 2 * max_batch.bit_length() + 1
+
+
+def test_the_answer_is_cached_by_key(tmp_path):
+    cache, calls = tmp_path / "batch.json", []
+    assert find_optimal_batch_size(_limited(20, calls), 256, device="cpu", cache=cache, key="ltm s2048 H100") == 20
+    n = len(calls)
+    assert find_optimal_batch_size(_limited(20, calls), 256, device="cpu", cache=cache, key="ltm s2048 H100") == 20
+    assert len(calls) == n  # nothing ran
+    assert find_optimal_batch_size(_limited(9, calls), 256, device="cpu", cache=cache, key="other") == 9
+
+
+def test_what_is_not_out_of_memory_is_raised():
+    def broken(batch: int) -> None:
+        raise ValueError("shape mismatch")
+
+    with pytest.raises(ValueError, match="shape mismatch"):
+        find_optimal_batch_size(broken, 8, device="cpu")
+    with pytest.raises(RuntimeError, match="batch 4 runs out of memory"):
+        find_optimal_batch_size(_limited(2, []), 8, start=4, device="cpu")
+    with pytest.raises(ValueError, match="cache and key go together"):
+        find_optimal_batch_size(_limited(2, []), 8, device="cpu", key="x")
+
+
+def test_the_tracker_counts_tokens_over_time():
+    ticks = iter([0.0, 1.0, 2.0, 4.0])
+    with ThroughputTracker(3, clock=lambda: next(ticks), show=False) as t:
+        t.update(100)
+        t.update(100)
+        t.update(200)
+    assert t.tokens == 400 and t.tokens_per_s == pytest.approx(100.0)
+
+
+def test_the_monitor_reads_a_peak():
+    with MemoryMonitor("cpu") as m:
+        torch.ones(1 << 20)
+    assert m.peak_mb > 0
