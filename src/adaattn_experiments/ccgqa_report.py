@@ -35,7 +35,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         for p in ("ccgqa", "sdpa_gqa", "ccgqa:compiled", "sdpa_gqa:compiled"):
             if p in times or p in peaks:
                 row[f"{p} ms"] = fmt(times.get(p))
-        row["eager ratio"] = fmt(times.get("ccgqa") / times.get("sdpa_gqa")) if "sdpa_gqa" in times else "-"
+        row["eager ratio"] = fmt(times["ccgqa"] / times["sdpa_gqa"]) if {"ccgqa", "sdpa_gqa"} <= set(times.index) \
+            else "-"
         r = pair.iloc[0].to_dict() if len(pair) else None
         row[f"{mine} / {rival}"] = ratio_text(r) if r else "not measured"
         for p in (mine, rival):

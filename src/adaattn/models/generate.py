@@ -1,7 +1,7 @@
 """Autoregressive inference for the zoo's dense decoders: a static KV cache per attention layer (gpt-fast's
 pattern: preallocated (B, G, max, D) buffers written in place at the tokens' positions, so a decode step has
-the same shapes at every position and compiles once, CUDA graphs included), prefill, one-token decode and
-greedy or sampled generation.
+the same shapes at every position and compiles to one graph, which ``reduce-overhead`` can replay as a CUDA
+graph), prefill, one-token decode and greedy or sampled generation.
 
 Shapes: B batch, S new tokens, G kv heads, D head dim, M the cache's length (``max_seq_len``).
 """
