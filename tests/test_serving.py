@@ -1,13 +1,13 @@
 """Guide 003's serving helpers on the CPU: the batch-size search against a fake out-of-memory limit (doubling,
 then bisection; memory errors recovered, others raised; the answer cached), the throughput tracker on a fake
-clock, the memory monitor's reading."""
+clock."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from adaattn.models.serving import MemoryMonitor, ThroughputTracker, find_optimal_batch_size
+from adaattn.models.serving import ThroughputTracker, find_optimal_batch_size
 
 
 def _limited(limit: int, calls: list[int]):
@@ -55,8 +55,3 @@ def test_the_tracker_counts_tokens_over_time():
         t.update(200)
     assert t.tokens == 400 and t.tokens_per_s == pytest.approx(100.0)
 
-
-def test_the_monitor_reads_a_peak():
-    with MemoryMonitor("cpu") as m:
-        torch.ones(1 << 20)
-    assert m.peak_mb > 0

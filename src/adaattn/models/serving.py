@@ -1,6 +1,6 @@
 """Guide 003's serving helpers: ``find_optimal_batch_size`` (the largest batch a call runs at, found on the
-device with out-of-memory recovery, cached), a ``MemoryMonitor`` and a ``ThroughputTracker`` with a live
-progress line (rich).
+device with out-of-memory recovery, cached) and a ``ThroughputTracker`` with a live progress line (rich). A
+call's peak memory: ``adaattn.bench.memory.peak_memory_bytes``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+from adaattn.bench.harness import classify_error
 
 
 def _free(device: str) -> None:
@@ -45,7 +43,7 @@ def find_optimal_batch_size(run: Callable[[int], object], max_batch: int, start:
             run(batch)
             return True
         except Exception as err:
-            if not _is_oom(err):
+            if classify_error(err)[0] != "oom":
                 raise
             return False
         finally:
@@ -68,33 +66,6 @@ def find_optimal_batch_size(run: Callable[[int], object], max_batch: int, start:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(answers, indent=1, sort_keys=True) + "\n")
     return good
-
-
-class MemoryMonitor:
-    """Peak memory over a block: ``with MemoryMonitor("cuda") as m: ...`` then ``m.peak_mb`` (the allocator's
-    peak of allocated bytes over what was allocated on entry) and ``m.reserved_mb`` (its peak reserved). On a CPU
-    both read the process's peak resident size (the OS's, over the process's life)."""
-
-    def __init__(self, device: str = "cuda"):
-        self.device = device
-        self.peak_mb = self.reserved_mb = 0.0
-
-    def __enter__(self) -> MemoryMonitor:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._base = torch.cuda.memory_allocated()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.peak_mb = (torch.cuda.max_memory_allocated() - self._base) / 2**20
-            self.reserved_mb = torch.cuda.max_memory_reserved() / 2**20
-        else:
-            import resource
-
-            self.peak_mb = self.reserved_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class ThroughputTracker:
