@@ -13,7 +13,7 @@ import pytest
 from adaattn.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
-TOY = {"models": ["hydra_small"], "seq_lens": [16, 32], "tokens": 64, "compile": False, "dtype": "fp32",
+TOY = {"models": ["hydra_small"], "seq_lens": [16, 32], "tokens": 64, "compile_modes": [], "dtype": "fp32",
        "side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 3}}
 
 
@@ -45,7 +45,7 @@ def test_each_length_is_timed_side_by_side_and_judged_on_a_gpu_only(tmp_path):
         assert ratio.provider == "sdpa_gqa" and ratio.value > 0
     (section,) = render(df, tmp_path)
     assert {v.verdict for v in section.verdicts} == {"not measurable here"} and len(section.verdicts) == 2
-    assert "ccgqa / sdpa_gqa" in section.markdown and (tmp_path / "g4_c1_ccgqa_cpu.png").exists()
+    assert "CCGQA / SDPA GQA" in section.markdown and (tmp_path / "g4_c1_ccgqa_cpu.png").exists()
     # on a GPU target the compiled pair is judged against the bound
     gpu = df.assign(target="h100", hardware="test gpu", cuda="13.0")
     (section,) = render(gpu, tmp_path)
@@ -55,9 +55,37 @@ def test_each_length_is_timed_side_by_side_and_judged_on_a_gpu_only(tmp_path):
 
 @pytest.mark.parametrize("update, message", [
     ({"tokens": 48}, "tokens=48 must be a multiple of every seq_lens entry; got 32"),
+    ({"compile_modes": ["default", "default"]}, "compile_modes must not repeat a mode"),
+    ({"compile_modes": ["fast"]}, "compile_modes"),
     ({"models": ["hydra_2b"]}, "G4-C1.cpu.models: 'hydra_2b' is not a preset of models"),
     ({"models": ["dense_small"]}, "'dense_small' has attention 'sdpa'; the study compares 'ccgqa' presets"),
 ])
 def test_bad_sweeps_name_the_key(update, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _params(update)
+
+
+def test_each_compile_mode_is_a_pair_of_its_own_and_the_goal_reads_the_last(monkeypatch, tmp_path):
+    import torch
+
+    from adaattn_experiments.ccgqa import STUDY
+    from adaattn_experiments.ccgqa_report import render
+
+    compile_ = torch.compile
+    modes = []
+    # dynamo's own eager backend: the pairs' plumbing without inductor's minutes of CPU compilation
+    monkeypatch.setattr(torch, "compile", lambda m, mode, dynamic: modes.append(mode) or
+                        compile_(m, backend="eager", dynamic=dynamic))
+    params = _params({"seq_lens": [32], "compile_modes": ["default", "reduce-overhead"]})
+    rows = STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    df = pd.DataFrame([{**r, "target": "h100", "hardware": "test gpu", "cuda": "13.0"} for r in rows])
+    assert sorted(set(modes)) == ["default", "reduce-overhead"]
+    timed = df[df.metric == "side_by_side_ms"]
+    assert list(timed.provider) == ["ccgqa", "sdpa_gqa", "ccgqa:default", "sdpa_gqa:default",
+                                    "ccgqa:reduce-overhead", "sdpa_gqa:reduce-overhead"]
+    assert sorted(df[df.metric == "paired_ratio"].provider) == ["sdpa_gqa", "sdpa_gqa:default",
+                                                                "sdpa_gqa:reduce-overhead"]
+    (section,) = render(df, tmp_path)
+    assert "| reduce-overhead" in section.markdown and "| default" in section.markdown
+    (goal,) = section.verdicts
+    assert goal.reason.startswith("ccgqa:reduce-overhead / sdpa_gqa:reduce-overhead")

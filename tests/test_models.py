@@ -161,6 +161,13 @@ def test_memory_estimate_by_hand():
     bf16_attn = T * ((8 * 4 + 8 * 2) + (3 * 8 + 2 * 8 + 2 * 8) * 2 + 2 * 4)  # norm: fp32 input, bf16 copy
     bf16_mlp = T * ((8 * 4 + 8 * 2) + 3 * 16 * 2)
     assert bf16["activations"] == bf16_attn + bf16_mlp + T * (8 * 4 + 8 * 2) + 700 * 2 + T * 10 * 4
+    # full checkpointing: the block keeps its input and no weight copy (its recomputation casts again), the head
+    # its copy; the block's activations come back in its recomputation, after the loss's tensors are freed
+    ck = estimate_memory(cfg, params, batch=1, seq_len=4, dtype="bf16", checkpointing="full")
+    kept = T * 8 * 4 + T * (8 * 4 + 8 * 2) + 10 * 8 * 2
+    assert ck["activations"] == kept + T * 10 * 4 + bf16_attn + bf16_mlp
+    assert ck["total"] == 4000 + 8000 + max(kept + T * 10 * 4 + T * 10 * 8 + 10 * 8 * 4,
+                                            kept + bf16_attn + bf16_mlp + 10 * 8 * 4, 4000)
 
 
 def test_model_card_holds_counts_flops_memory_and_a_step():

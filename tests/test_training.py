@@ -1,5 +1,6 @@
-"""The training study (G0-T1, G0-C1) on the CPU at toy size: every rung runs from the same weights, the
-steps are timed side by side, the step's memory and model FLOPs are rows, and the report renders."""
+"""The training study (G0-T1, G0-C1, G1-C1) on the CPU at toy size: every rung runs from the same weights, the
+steps are timed side by side, the step's memory and model FLOPs are rows, G1-C1's pairs are timed side by side,
+and the report renders."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def _params(profile_update=None, raw_update=None):
     raw = copy.deepcopy(load_raw(PARAMS))
     raw["models"]["g0_small"].update({"dim": 64, "n_layers": 2, "vocab_size": 128, "max_seq_len": 32})
     raw["G0-T1"]["cpu"].update({**SMALL, **(profile_update or {})})
+    raw["G1-C1"]["cpu"].update({"gemm_n": 64, "batch": 1, "seq_len": 16, "dim": 32, "heads": 2,
+                                "side_by_side": {"budget_ms": 1, "min_rounds": 6, "max_rounds": 6}})
     for key, value in (raw_update or {}).items():
         raw[key] = value
     return validate(raw)
@@ -54,9 +57,18 @@ def test_the_ladder_runs_every_rung_from_the_same_weights(tmp_path):
     steps = df[df.metric == "step_side_by_side_ms"]
     assert set(steps.provider) == {"fp32", "sdpa", "ada", "checkpointing"} and (steps.samples == 6).all()
     assert (df[df.metric == "step_peak_mem_mb"].value > 0).all() and (df[df.metric == "model_flops"].value > 0).all()
-    t1, c1 = render(df, tmp_path)
+    t1, c1, g1 = render(df, tmp_path)
     assert "+checkpointing" in t1.markdown and {v.verdict for v in t1.verdicts} == {"not measurable here"}
     assert [v.claim for v in c1.verdicts] == ["SDPA 10-15x faster than naive attention (whole training step)"]
+    # G1-C1: TF32 is a GPU's (a row that says so); nn.MultiheadAttention against SDPA, forward and training call
+    pairs = df[(df.table_id == "G1-C1") & (df.metric == "side_by_side_ms")]
+    assert pairs[pairs.provider == "tf32"].status.tolist() == ["unavailable"]
+    assert sorted(pairs[pairs.status == "ok"].provider) == ["fp32", "mha", "mha", "sdpa", "sdpa"]
+    assert sorted(df[(df.table_id == "G1-C1") & (df.metric == "paired_ratio")]["mode"]) == ["fwd", "fwd_bwd"]
+    assert [v.claim for v in g1.verdicts] == ["TF32 makes fp32 GEMMs ~4x faster",
+                                              "the default nn.MultiheadAttention is already optimised (fwd)",
+                                              "the default nn.MultiheadAttention is already optimised (fwd_bwd)"]
+    assert {v.verdict for v in g1.verdicts} == {"not measurable here"}
 
 
 @pytest.mark.parametrize("update, message", [

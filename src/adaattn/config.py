@@ -452,6 +452,33 @@ class G0T1Section(ByProfile):
     gpu: TrainingLadder
 
 
+class G1C1Sweep(_Section):
+    """G1-C1's GEMM and module claims, measured by the training study: an ``gemm_n``-cubed fp32 matmul with TF32
+    off and on, side by side (claim: TF32 4x faster); ``nn.MultiheadAttention`` against the zoo's SDPA attention
+    layer of the same width, heads and projections (non-causal, autocast to ``dtype`` over fp32 weights),
+    forward and training call side by side (claim: the default MultiheadAttention is already optimised)."""
+
+    gemm_n: PositiveInt
+    batch: PositiveInt
+    seq_len: PositiveInt
+    dim: PositiveInt
+    heads: PositiveInt
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    side_by_side: Rounds
+    seed: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> G1C1Sweep:
+        if self.dim % self.heads:
+            raise ValueError(f"heads={self.heads} must divide dim={self.dim}")
+        return self
+
+
+class G1C1Section(ByProfile):
+    cpu: G1C1Sweep
+    gpu: G1C1Sweep
+
+
 class CheckpointingSweep(_Section):
     """G4-T3 and G4-T1's checkpointing line: each preset's training step (eager, autocast to ``dtype``, fused
     AdamW on a GPU) at every granularity, ``none`` first: peak memory, the forward's memory, step time side
@@ -477,13 +504,15 @@ class CheckpointingSweep(_Section):
 
 class CcgqaSweep(_Section):
     """G4-C1's attention: HYDRA's CCGQA attention layer against the SDPA GQA layer of the same width, query and kv
-    heads, a training call (forward and backward) per length, side by side, eager and (``compile``) compiled;
+    heads, a training call (forward and backward) per length, side by side, eager and in each of ``compile_modes``;
     ``tokens`` per call (batch = tokens / length), autocast to ``dtype`` over fp32 weights as in training."""
 
     models: Annotated[list[str], Field(min_length=1)]  # presets of `models` with attention ccgqa
     seq_lens: Annotated[list[PositiveInt], Field(min_length=1)]
     tokens: PositiveInt
-    compile: bool = True
+    # torch.compile modes, each mode's pair timed side by side apart from the eager pair; the goal is read on
+    # the last (reduce-overhead: CUDA graphs take the host's launch work off a small layer); [] = eager only
+    compile_modes: list[Literal["default", "reduce-overhead", "max-autotune"]] = ["default", "reduce-overhead"]
     dtype: Literal["bf16", "fp32"] = "bf16"
     side_by_side: Rounds
     seed: NonNegativeInt = 0
@@ -493,6 +522,8 @@ class CcgqaSweep(_Section):
         for s in self.seq_lens:
             if self.tokens % s:
                 raise ValueError(f"tokens={self.tokens} must be a multiple of every seq_lens entry; got {s}")
+        if len(set(self.compile_modes)) != len(self.compile_modes):
+            raise ValueError(f"compile_modes must not repeat a mode; got {', '.join(self.compile_modes)}")
         return self
 
 
@@ -576,6 +607,7 @@ class Params(BaseModel):
     models: dict[str, ModelConfig] = {}  # the model zoo's presets (adaattn.models)
     g0_t1: G0T1Section | None = Field(None, alias="G0-T1")
     g4_t3: G4T3Section | None = Field(None, alias="G4-T3")
+    g1_c1: G1C1Section | None = Field(None, alias="G1-C1")
     g4_c1: G4C1Section | None = Field(None, alias="G4-C1")
     train: TrainSection | None = None
 

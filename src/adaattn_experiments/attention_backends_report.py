@@ -292,6 +292,6 @@ def _render_g1_c1(runs: pd.DataFrame, copy: pd.Series, cpus: set[str]) -> Sectio
           "input dtype), over its time, against the copy bandwidth measured at the start of the same run; its FLOP "
           "rate over the run's GEMM rate beside it. Every shape of G1-T1 and G1-T2, the fused providers that ran. "
           "The guide's other G1-C1 claims (TF32 makes GEMMs 4x faster; nn.MultiheadAttention is already "
-          "optimised) are measured by the training study's G1-C1 rows, not yet.\n\n"
+          "optimised) are measured by the training study (reports/training.md).\n\n"
           + (md_table(pd.DataFrame(rows)) if rows else "no fused forward ran") + "\n")
     return Section("G1-C1", guide_figures()["G1-C1"]["title"], md, verdicts)

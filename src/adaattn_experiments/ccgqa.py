@@ -1,10 +1,10 @@
 """The CCGQA study (G4-C1's attention): HYDRA's CCGQA attention layer (``models.hydra.CCGQAttention``: the
 down-projection, the convolutions, the attention in the latent, the up-projection) against the SDPA GQA layer of
 the same width, query and kv heads (``models.transformer.Attention``, attention ``sdpa``), a training call
-(forward and backward, the weights' gradients included) per preset and length, eager and compiled, side by side
-in shuffled rounds; and each call's peak memory. Autocast to the sweep's dtype over fp32 weights, as the model
-trains. The goal (``verdicts.ccgqa_bound``) is read on the compiled pair: compiled CCGQA's time over compiled
-SDPA GQA's, round by round.
+(forward and backward, the weights' gradients included) per preset and length, eager and in each compile mode,
+each pair side by side in shuffled rounds; and each call's peak memory. Autocast to the sweep's dtype over fp32
+weights, as the model trains. The goal (``verdicts.ccgqa_bound``) is read on the last compile mode's pair (the
+eager pair's without one): CCGQA's time over SDPA GQA's, round by round.
 """
 
 from __future__ import annotations
@@ -71,24 +71,24 @@ class Ccgqa(StudyDef):
                 base = {"table_id": "G4-C1", "case_id": f"G4-C1/{name}-b{B}-s{S}", "kernel": "", "model": name,
                         "batch": B, "seq_len": S, "dim": cfg.dim, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads,
                         "latent_head_dim": cfg.head_dim}
-                builders = {}
-                for kind in LAYERS:
-                    for compiled in (False, True) if sweep.compile else (False,):
-                        builders[kind + (":compiled" if compiled else "")] = functools.partial(
-                            self._workload, layers[kind], compiled, B, S, cfg.dim, sweep)
-                rows += self._memory_rows(base, builders)
-                paired = "ccgqa:compiled" if sweep.compile else "ccgqa"
-                rows += side_by_side_rows([(base, "fwd_bwd", builders)], self.device, keep=list(builders),
-                                          rounds=sweep.side_by_side, seed=sweep.seed, paired=paired,
-                                          settle=params.verdicts.ccgqa_bound)
+                # the eager pair, then each compile mode's pair, each side by side in its own rounds
+                pairs = [("", None)] + [(f":{m}", m) for m in sweep.compile_modes]
+                for suffix, mode in pairs:
+                    builders = {kind + suffix: functools.partial(self._workload, layers[kind], mode, B, S, cfg.dim,
+                                                                 sweep) for kind in LAYERS}
+                    rows += self._memory_rows(base, builders)
+                    rows += side_by_side_rows([(base, "fwd_bwd", builders)], self.device, keep=list(builders),
+                                              rounds=sweep.side_by_side, seed=sweep.seed, paired="ccgqa" + suffix,
+                                              settle=params.verdicts.ccgqa_bound)
+                # a fresh cache per length: past its recompile limit dynamo would run the layer eager, silently
+                torch._dynamo.reset()
             del layers
-        torch._dynamo.reset()
         return rows
 
-    def _workload(self, layer: torch.nn.Module, compiled: bool, B: int, S: int, dim: int,
+    def _workload(self, layer: torch.nn.Module, mode: str | None, B: int, S: int, dim: int,
                   sweep: CcgqaSweep) -> Workload:
         # static shapes, one graph per length: dynamic=None would turn a second length into a dynamic graph
-        fn = torch.compile(layer, dynamic=False) if compiled else layer
+        fn = layer if mode is None else torch.compile(layer, mode=mode, dynamic=False)
         x = torch.randn(B, S, dim, device=self.device, requires_grad=True)  # the fp32 residual stream
         dtype = DTYPES[sweep.dtype]
 

@@ -1,4 +1,4 @@
-"""The training study (G0-T1, G0-C1): a preset of the model zoo climbing a ladder of optimisations.
+"""The training study (G0-T1, G0-C1, G1-C1): a preset of the model zoo climbing a ladder of optimisations.
 
 Each rung adds its own setting to every rung listed before it (``config.RUNGS``): ``fp32`` (eager, fp32,
 naive attention, AdamW's foreach step), ``tf32``, ``bf16`` (autocast), ``sdpa``, ``fused_adamw``,
@@ -7,6 +7,9 @@ same weights. The harness measures each rung's forward (time, peak memory: G0-T1
 rungs' training steps (``Trainer.train_step``: forward, loss, backward, clipping, optimizer step) are timed
 side by side in shuffled rounds (``step_side_by_side_ms``). The model's FLOPs per token come from its card
 (``models.card``), so the report's MFU is model FLOPs over step time against the run's measured GEMM rate.
+
+G1-C1's GEMM and module claims (``g1_c1_rows``): an fp32 GEMM with TF32 off and on, and ``nn.MultiheadAttention``
+against the zoo's SDPA layer of the same width and heads, each pair side by side.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from adaattn.bench.harness import Case, Workload
 from adaattn.bench.memory import peak_row
 from adaattn.bench.runner import StudyDef, target_sections
 from adaattn.bench.side_by_side import side_by_side_rows
-from adaattn.config import Params, Target
+from adaattn.config import G1C1Sweep, Params, Target
 from adaattn.models import ModelConfig
 from adaattn.models.card import flops_per_token, param_counts
-from adaattn.models.train import Trainer, create_optimized_training_setup
+from adaattn.models.train import DTYPES, Trainer, create_optimized_training_setup
+from adaattn.models.transformer import Attention
 from adaattn.report.common import Section
 
 
@@ -56,7 +60,7 @@ def rung_settings(rungs: list[str], rung: str) -> dict[str, Any]:
 
 class Training(StudyDef):
     name = "training"
-    table_ids = ("G0-T1", "G0-C1")
+    table_ids = ("G0-T1", "G0-C1", "G1-C1")
     config_columns = ["model", "batch", "seq_len"]
 
     def __init__(self, device: str = "cpu"):
@@ -71,7 +75,7 @@ class Training(StudyDef):
         return Training(device)
 
     def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
-        sections = target_sections(raw, target_name, ("G0-T1",))
+        sections = target_sections(raw, target_name, ("G0-T1", "G1-C1"))
         model = sections["G0-T1"]["model"]
         return {**sections, f"models.{model}": raw["models"][model]}
 
@@ -157,12 +161,67 @@ class Training(StudyDef):
             rows.append(peak_row({**base, "provider": rung, "mode": "step", "metric": "step_peak_mem_mb"},
                                  lambda: trainer.train_step(self._inputs()), self.device, trainer.held_bytes(),
                                  "weights and optimizer state held, and one step's peak over them"))
+        if params.g1_c1 is not None:
+            rows += g1_c1_rows(getattr(params.g1_c1, target.profile), self.device)
         return rows
 
     def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
         from adaattn_experiments.training_report import render
 
         return render(df, out_dir)
+
+
+def g1_c1_rows(sweep: G1C1Sweep, device: str) -> list[dict]:
+    """G1-C1: the fp32 GEMM with TF32 off (``fp32``) and on (``tf32``, a GPU's) side by side (``paired_ratio``: tf32
+    over fp32); ``nn.MultiheadAttention`` (``mha``, need_weights=False) against the zoo's SDPA attention layer
+    (``sdpa``), forward and training call, side by side (``paired_ratio``: mha over sdpa)."""
+    torch.manual_seed(sweep.seed)
+    n = sweep.gemm_n
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    was = torch.backends.cuda.matmul.allow_tf32
+
+    def gemm(tf32: bool) -> Workload:
+        def call() -> Tensor:
+            torch.backends.cuda.matmul.allow_tf32 = tf32  # per call: the two run interleaved
+            return a @ b
+
+        return Workload(fwd=call, inputs=[], flops_fwd=2.0 * n**3)
+
+    base = {"table_id": "G1-C1", "case_id": f"G1-C1/gemm-n{n}", "kernel": "", "model": f"gemm {n}^3 fp32"}
+    builders = {"fp32": functools.partial(gemm, False)}
+    if device == "cuda":  # TF32 is a mode of NVIDIA tensor cores
+        builders["tf32"] = functools.partial(gemm, True)
+    try:
+        rows = side_by_side_rows([(base, "fwd", builders)], device, keep=list(builders), rounds=sweep.side_by_side,
+                                 seed=sweep.seed, paired="tf32" if "tf32" in builders else None)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    del a, b
+    if device != "cuda":
+        rows.append({**base, "provider": "tf32", "mode": "fwd", "metric": "side_by_side_ms", "value": None,
+                     "unit": "ms", "status": "unavailable", "reason": "TF32 is a mode of NVIDIA tensor cores"})
+    B, S, E, H = sweep.batch, sweep.seq_len, sweep.dim, sweep.heads
+    cfg = ModelConfig(vocab_size=2, dim=E, n_layers=1, n_heads=H, attention="sdpa", positions="learned", bias=True,
+                      kind="encoder", max_seq_len=S)
+    layers = {"mha": torch.nn.MultiheadAttention(E, H, batch_first=True, device=device),
+              "sdpa": Attention(cfg, None).to(device)}
+    x = torch.randn(B, S, E, device=device, requires_grad=True)
+    dtype = DTYPES[sweep.dtype]
+
+    def attend(name: str) -> Workload:
+        layer = layers[name]
+
+        def call() -> Tensor:
+            with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype != torch.float32):
+                return layer(x, x, x, need_weights=False)[0] if name == "mha" else layer(x)
+
+        return Workload(fwd=call, inputs=[x, *layer.parameters()])
+
+    base = {"table_id": "G1-C1", "case_id": f"G1-C1/mha-b{B}-s{S}-d{E}-h{H}", "kernel": "", "model": "attention layer",
+            "batch": B, "seq_len": S}
+    groups = [(base, mode, {p: functools.partial(attend, p) for p in layers}) for mode in ("fwd", "fwd_bwd")]
+    return rows + side_by_side_rows(groups, device, keep=list(layers), rounds=sweep.side_by_side, seed=sweep.seed,
+                                    paired="mha")
 
 
 STUDY = Training()

@@ -1,4 +1,5 @@
-"""The training report (G0-T1, G0-C1), from the results table only (the ladder: ``training.py``)."""
+"""The training report (G0-T1, G0-C1, G1-C1's GEMM and module claims), from the results table only (the ladder
+and the pairs: ``training.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from adaattn.report.common import Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table
+from adaattn_experiments.modules_report import paired_frame, ratio_text, ratio_verdict
 
 GPU_CLAIM = "a claim about an H200; this target is a CPU"
 
@@ -17,7 +19,7 @@ def _value(runs: pd.DataFrame, metric: str, mode: str) -> pd.DataFrame:
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
-    runs = df[df["case_id"] != "machine"]
+    runs = df[(df["case_id"] != "machine") & (df["table_id"] != "G1-C1")]
     gemm = df[(df["case_id"] == "machine") & (df["metric"] == "gemm_tflops")].set_index("target")["value"]
     fwd, mem = _value(runs, "time_ms", "fwd"), _value(runs, "peak_mem_mb", "fwd")
     step, step_mem = _value(runs, "step_side_by_side_ms", "step"), _value(runs, "step_peak_mem_mb", "step")
@@ -56,7 +58,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           + "\n")
     return [Section("G0-T1", "Performance Metrics (training ladder)", md, t1),
             Section("G0-C1", "Core optimizations, rung by rung", "The gains are in the G0-T1 table's last column "
-                    "(median step time of the rung before over this rung's, in one run).\n", c1)]
+                    "(median step time of the rung before over this rung's, in one run).\n", c1),
+            *_g1_c1(df)]
 
 
 def _g0_t1(target: str, hw: str, fwd: pd.DataFrame, mem: pd.DataFrame, weights: pd.Series, flops: pd.Series,
@@ -112,3 +115,46 @@ def _g0_c1(target: str, hw: str, step: pd.DataFrame, order: list[str], cpu: bool
         out.append(Verdict("G0-C1", claim, f"{band[0]:g}-{band[1]:g}x", f"{gain:.3g}x (median steps, one run)", hw,
                            verdict, GPU_CLAIM if cpu else f"+{rung} over the rung before it"))
     return out
+
+
+def _g1_c1(df: pd.DataFrame) -> list[Section]:
+    """G1-C1's GEMM claim (TF32 4x an fp32 GEMM) and module claim (nn.MultiheadAttention already optimised)."""
+    runs = df[df["table_id"] == "G1-C1"]
+    if runs.empty:
+        return []
+    cpus, ratios = cpu_targets(df), paired_frame(runs)
+    times = runs[(runs["metric"] == "side_by_side_ms") & (runs["status"] == "ok")]
+    table, verdicts = [], []
+    claimed, tol = guide_figures()["G1-C1"]["figures"]["tf32_gemm_speedup"], knobs().guide_ratio_tolerance
+    for (target, case_id, mode), frame in runs.groupby(["target", "case_id", "mode"], sort=False):
+        hw, gemm = frame["hardware"].iloc[0], case_id.startswith("G1-C1/gemm")
+        ms = times[(times["target"] == target) & (times["case_id"] == case_id) & (times["mode"] == mode)]
+        ms = ms.set_index("provider")["value"]
+        r = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id) & (ratios["mode"] == mode)]
+        r = r.iloc[0].to_dict() if len(r) else None
+        what = frame["model"].iloc[0] + ("" if gemm else f", B={int(frame['batch'].iloc[0])} "
+                                         f"S={int(frame['seq_len'].iloc[0])}, {mode}")
+        table.append({"target": target, "what": what, "times (ms)": ", ".join(f"{p} {v:.4g}" for p, v in ms.items()),
+                      "ratio": (("tf32 / fp32 " if gemm else "mha / sdpa ") + ratio_text(r)) if r else "-"})
+        if gemm:
+            claim, guide = "TF32 makes fp32 GEMMs ~4x faster", f"{claimed:g}x"
+            if target in cpus or r is None:
+                verdicts.append(Verdict("G1-C1", claim, guide, "no TF32 here", hw, "not measurable here",
+                                        "TF32 is a mode of NVIDIA tensor cores"))
+                continue
+            speed = (1 / r["ci_high"], 1 / r["ci_low"])  # the speedup's interval from the time ratio's
+            verdicts.append(Verdict("G1-C1", claim, guide, f"{1 / r['value']:.2f}x ({speed[0]:.2f}-{speed[1]:.2f})",
+                                    hw, judge(speed, (claimed, claimed), higher_is_better=True, tolerance=tol),
+                                    f"{what}: fp32 time over tf32's, round by round"))
+        elif r is not None:
+            bound = 1 + knobs().same_time_tolerance
+            verdicts.append(Verdict("G1-C1", f"the default nn.MultiheadAttention is already optimised ({mode})",
+                                    f"as fast as SDPA (within {bound - 1:.0%})", ratio_text(r), hw,
+                                    "not measurable here" if target in cpus else ratio_verdict(r, None, bound),
+                                    f"{what}: nn.MultiheadAttention(need_weights=False) over the zoo's SDPA layer of "
+                                    "the same width, heads and projections"))
+    md = ("An fp32 GEMM with TF32 off and on, and `nn.MultiheadAttention` against the zoo's SDPA attention layer "
+          "(same width, heads, biased projections; non-causal; autocast on a GPU), each pair side by side in "
+          "shuffled rounds: median ms, and the time ratio round by round with its median's 95% interval.\n\n"
+          + md_table(pd.DataFrame(table)) + "\n")
+    return [Section("G1-C1", "Bandwidth and compute claims (TF32 GEMMs, nn.MultiheadAttention)", md, verdicts)]

@@ -159,9 +159,10 @@ def estimate_memory(cfg: ModelConfig, params: dict, batch: int, seq_len: int, dt
     recomputed blocks keep instead), the low-precision copies of the weights autocast keeps, and the loss's
     fp32 log-probabilities.
 
-    ``total`` is the step's peak: the activations peak as the backward starts, before any gradient exists
-    (the trainer frees them after each step), next to the loss's two fp32 gradients of the logits' size and the
-    head's gradient; the gradients peak at its end, the activations freed."""
+    ``total`` is the step's peak, the largest of three moments: the backward's start (the activations kept, the
+    loss's log-probabilities and its two fp32 gradients of the logits' size, the head's gradient); a checkpointed
+    block's recomputation (the activations kept and that block's, the loss's tensors freed); the backward's end
+    (every gradient, the activations freed: the trainer sets gradients to None after each step)."""
     if checkpointing not in ("none", "full", "selective", "every_k"):
         raise ValueError(f"checkpointing {checkpointing!r} is not one of: none, full, selective, every_k")
     b, w = DTYPE_BYTES[dtype], DTYPE_BYTES[weights]
@@ -190,15 +191,20 @@ def estimate_memory(cfg: ModelConfig, params: dict, batch: int, seq_len: int, dt
     runs = applications(cfg, seq_len)
     whole = [attn(batch * k, k) + mlp(batch * k) for _, k in runs]
     inputs = [batch * k * E * w for _, k in runs]  # a block's input: the residual stream
+    # autocast's low-precision weights: one copy each a step, kept by the ops that save it for the backward; a
+    # checkpointed region saves none (its recomputation casts again). The LM head's is always kept.
+    copy = b if b < w else 0
     if checkpointing == "none":
-        layers = sum(whole)
+        layers, recompute, kept_weights = sum(whole), 0.0, params["matmul"]
     elif checkpointing == "full":  # each block keeps its input; one block's activations live in its recompute
-        layers = sum(inputs) + max(whole)
+        layers, recompute, kept_weights = sum(inputs), max(whole), V * E
     elif checkpointing == "every_k":  # the blocks run 0, k, 2k, ... keep their inputs only
-        kept = [j % cfg.checkpoint_every == 0 for j in range(len(runs))]
-        layers = sum(i if c else a for i, a, c in zip(inputs, whole, kept)) + max(whole)
-    else:  # selective: the attention sub-layers keep their inputs only
-        layers = sum(i + mlp(batch * k) for i, (_, k) in zip(inputs, runs)) + max(attn(batch * k, k) for _, k in runs)
+        plain = [j % cfg.checkpoint_every != 0 for j in range(len(runs))]
+        layers, recompute = sum(a if p else i for i, a, p in zip(inputs, whole, plain)), max(whole)
+        kept_weights = V * E + sum(params["per_block"][i] for i in {i for (i, _), p in zip(runs, plain) if p})
+    else:  # selective: the attention sub-layers keep their inputs only (their weights' copies counted as kept)
+        layers = sum(i + mlp(batch * k) for i, (_, k) in zip(inputs, runs))
+        recompute, kept_weights = max(attn(batch * k, k) for _, k in runs), params["matmul"]
     # routes: MoD blocks and recursions after the first keep the gathered tokens, the sequence scattered back
     # and the gates
     every = cfg.mod_every
@@ -206,16 +212,18 @@ def estimate_memory(cfg: ModelConfig, params: dict, batch: int, seq_len: int, dt
         [seq_len] * (cfg.recursions - 1)
     routing = sum(batch * (k + seq_len) * E * w + batch * k * 4 for k in routes)
     tokens = batch * seq_len
-    copies = params["matmul"] * b if b < w else 0  # autocast's low-precision weights, cast once a step
-    activations = layers + routing + tokens * norm + copies + tokens * V * 4  # + final norm, fp32 log-probs
+    kept = layers + routing + tokens * norm + kept_weights * copy  # + the final norm's input
     if cfg.memory_slots is not None:
-        activations += cfg.n_layers * batch * ltm_bytes_per_layer(cfg, seq_len, b, w)
+        kept += cfg.n_layers * batch * ltm_bytes_per_layer(cfg, seq_len, b, w)
+    log_probs = tokens * V * 4  # fp32, the loss's
     # as the backward starts: the gradient of the log-probabilities and the log-softmax's input gradient (fp32
-    # each, beside the kept log-probabilities), and the head's gradient
+    # each, beside the kept log-probabilities), and the head's gradient. A recomputed block's activations come
+    # later, once the loss's tensors are freed, beside the head's gradient
     transient = tokens * V * 8 + V * E * w
     gradients = n * w
-    return {"weights": n * w, "gradients": gradients, "optimizer": 8 * n, "activations": activations,
-            "loss_transient": transient, "total": n * w + 8 * n + max(activations + transient, gradients)}
+    peak = max(kept + log_probs + transient, kept + recompute + V * E * w, gradients)
+    return {"weights": n * w, "gradients": gradients, "optimizer": 8 * n, "activations": kept + log_probs + recompute,
+            "loss_transient": transient, "total": n * w + 8 * n + peak}
 
 
 def step_check(cfg: ModelConfig, batch: int = 1, seq_len: int = 32, seed: int = 0) -> dict[str, float | bool]:
