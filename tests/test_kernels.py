@@ -411,6 +411,27 @@ def test_switches(monkeypatch):
         K.set_use_triton_kernels("yes")
 
 
+def test_a_compiled_graph_follows_the_switch():
+    """Flipping set_use_triton_kernels recompiles a compiled function (a guard), and each setting keeps its graph:
+    the MFU study times a model with our kernels and without them side by side in one process."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    graphs: list[bool] = []  # whether each compiled graph holds our custom op
+    fn = torch.compile(lambda x, w: K.rms_norm(x, w) * 2, backend=counter, fullgraph=True)
+    x, w = _randn(3, 16), _randn(16)
+    try:
+        for on in (True, False, True, False):
+            K.set_use_triton_kernels(on)
+            torch.testing.assert_close(fn(x, w), K.rms_norm_ref(x, w) * 2, atol=1e-5, rtol=1e-5)
+            graphs = [any("adaattn" in str(n.target) for n in g.graph.nodes) for g in counter.graphs]
+    finally:
+        K.set_use_triton_kernels(True)
+        torch._dynamo.reset()
+    assert counter.frame_count == 2 and graphs == [True, False]  # one graph per setting, each reused
+
+
 def test_without_interpreter_or_cuda_the_references_run(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the kernels run")

@@ -234,6 +234,10 @@ def test_setup_groups_decay_and_rejects_bad_arguments():
         create_optimized_training_setup(_small(), dtype="int8", compile_mode=None, device="cpu")
     with pytest.raises(ValueError, match="checkpointing 'some' is not one of"):
         create_optimized_training_setup(_small(), checkpointing="some", compile_mode=None, device="cpu")
+    with pytest.raises(ValueError, match="compile_scope 'layers' is not one of: model, blocks"):
+        create_optimized_training_setup(_small(), compile_scope="layers", device="cpu")
+    with pytest.raises(ValueError, match="compile_scope 'blocks' needs a model with a `blocks` ModuleList"):
+        optimize_model(torch.nn.Linear(4, 4), compile_scope="blocks")
     opt = torch.optim.AdamW(model.parameters())
     assert Trainer(model, opt, dtype="fp16").scaler.is_enabled()  # fp16's range needs loss scaling
     with pytest.raises(ValueError, match="grad_clip must be > 0"):
@@ -252,6 +256,35 @@ def test_optimize_says_what_it_set_and_keeps_the_models_parameters():
     compiled, settings = optimize_for_h200(model, compile_mode=None)
     assert compiled is model and settings.memory_fraction is None  # no CUDA here: said, not set
     assert settings.notes == ["no CUDA device: TF32 and the memory fraction do not apply"] and not settings.tf32
+
+
+def test_blocks_scope_compiles_each_block_in_place_and_one_graph_serves_them(monkeypatch):
+    """Regional compilation: the model is not wrapped, each block is compiled, identical blocks share one graph;
+    the compiled loss gives the eager loss."""
+    from torch._dynamo.testing import CompileCounter
+
+    from adaattn.models.train import create_optimized_training_setup, optimize_model
+
+    counter = CompileCounter()
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: compile_(fn, backend=counter))
+    torch._dynamo.reset()
+    model = Transformer(_small(**PLAIN, n_layers=3))
+    tokens, _ = _batch(model.cfg)
+    expected = model(tokens)
+    same, _ = optimize_model(model, compile_scope="blocks", tf32=False)
+    assert same is model and all(b._compiled_call_impl is not None for b in model.blocks)
+    torch.testing.assert_close(model(tokens), expected)
+    assert counter.frame_count == 1  # three blocks, one graph
+    losses = []
+    for compile_loss in (False, True):
+        torch.manual_seed(0)
+        _, _, trainer = create_optimized_training_setup(_small(**PLAIN), compile_mode=None, dtype="fp32",
+                                                        device="cpu", compile_loss=compile_loss)
+        losses.append(trainer.loss(tokens[:, :-1], tokens[:, 1:])[0])
+    torch.testing.assert_close(losses[1], losses[0])
+    assert counter.frame_count == 2  # the loss's graph
+    torch._dynamo.reset()
 
 
 def test_card_command_writes_a_card_and_names_an_unknown_preset(tmp_path):

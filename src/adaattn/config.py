@@ -532,6 +532,46 @@ class G4C1Section(ByProfile):
     gpu: CcgqaSweep
 
 
+MFU_CONFIGS = ("plain", "kernels", "loss", "fp8")
+
+
+class MfuCase(_Section):
+    """One model's training step at one shape, in each of ``configs`` (``plain`` first: the baseline; each config
+    adds its setting to every config listed before it)."""
+
+    model: str
+    batch: PositiveInt
+    seq_len: PositiveInt
+    configs: Annotated[list[Literal[MFU_CONFIGS]], Field(min_length=1)] = ["plain", "kernels"]  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _plain_first(self) -> MfuCase:
+        if self.configs[0] != "plain" or len(set(self.configs)) != len(self.configs):
+            raise ValueError(f"configs must start with 'plain' (the baseline) and not repeat one; got "
+                             f"{', '.join(self.configs)} (allowed: {', '.join(MFU_CONFIGS)})")
+        return self
+
+
+class MfuSweep(_Section):
+    """The MFU goals: each case's training step (``Trainer.train_step``) in each config, side by side: ``plain``
+    (compiled PyTorch: SDPA, bf16 autocast, TF32, fused AdamW, PyTorch's norm and activation ops for inductor to
+    fuse, the loss eager), ``kernels`` (our Triton kernels), ``loss`` (the loss compiled too) and ``fp8``
+    (torchao's float8 training on the blocks' linears), each config adding its setting to those listed before
+    it. Each case's models are resident together: their weights and AdamW state must fit."""
+
+    cases: Annotated[list[MfuCase], Field(min_length=1)]
+    compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    compile_scope: Literal["model", "blocks"] = "blocks"  # blocks: one compiled block shared by every layer
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    side_by_side: Rounds
+    seed: NonNegativeInt = 0
+
+
+class MfuSection(ByProfile):
+    cpu: MfuSweep
+    gpu: MfuSweep
+
+
 class TrainRun(_Section):
     """The train stage: each of ``models`` trained from fresh weights for ``steps`` steps of ``batch`` x ``seq_len``
     byte tokens (vocabulary 256) of Python's standard-library sources, AdamW at ``lr`` with ``warmup`` linear
@@ -587,6 +627,10 @@ class Verdicts(_Section):
     kernel_copy_fraction: float = Field(0.90, gt=0, le=1)  # G4-T1: forward at least this of copy bandwidth
     memory_estimate: float = Field(0.10, gt=0)  # G4-T3: the card's estimate within this of the measured peak
     ccgqa_bound: float = Field(1.2, gt=0)  # G4-C1: CCGQA's training call at most this x SDPA GQA's (compiled)
+    # the MFU goals (the mfu study): a preset's best config at least this MFU against the measured bf16 GEMM
+    # rate, and at least mfu_speedup x the plain compiled model's tokens/s where the preset is listed there
+    mfu_goals: dict[str, Annotated[float, Field(gt=0, le=1)]] = {"g0_transformer": 0.55, "llama_1b": 0.60}
+    mfu_speedup: dict[str, Annotated[float, Field(gt=0)]] = {"llama_1b": 1.1}
 
 
 class Params(BaseModel):
@@ -610,6 +654,7 @@ class Params(BaseModel):
     g1_c1: G1C1Section | None = Field(None, alias="G1-C1")
     g4_c1: G4C1Section | None = Field(None, alias="G4-C1")
     train: TrainSection | None = None
+    mfu: MfuSection | None = None
 
     @model_validator(mode="after")
     def _ladder_models(self) -> Params:
@@ -630,6 +675,9 @@ class Params(BaseModel):
                 run = getattr(section, profile, None) if section else None
                 for name in run.models if run else ():
                     self._check_preset(f"{key}.{profile}", name, run.seq_len)
+        for profile in ("cpu", "gpu"):
+            for i, case in enumerate(getattr(self.mfu, profile).cases if self.mfu else ()):
+                self._check_preset(f"mfu.{profile}.cases[{i}]", case.model, case.seq_len)
         for profile in ("cpu", "gpu"):
             run = getattr(self.g4_c1, profile, None) if self.g4_c1 else None
             for name in run.models if run else ():

@@ -5,6 +5,7 @@ from adaattn_experiments.ccgqa import STUDY as CCGQA
 from adaattn_experiments.checkpointing import STUDY as CHECKPOINTING
 from adaattn_experiments.cpu_baseline import STUDY as CPU_BASELINE
 from adaattn_experiments.kernels import STUDY as KERNELS
+from adaattn_experiments.mfu import STUDY as MFU
 from adaattn_experiments.precision import STUDY as PRECISION
 from adaattn_experiments.rank import STUDY as RANK
 from adaattn_experiments.scaling import STUDY as SCALING
@@ -22,4 +23,5 @@ STUDIES = {
     CHECKPOINTING.name: CHECKPOINTING,
     TRAIN.name: TRAIN,
     CCGQA.name: CCGQA,
+    MFU.name: MFU,
 }

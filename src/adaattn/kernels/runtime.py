@@ -58,13 +58,18 @@ def _disabled_by_env() -> bool:
 
 
 def _why_off() -> str | None:
+    if _platform_why() is None and not _use_triton:
+        return "disabled by set_use_triton_kernels(False)"
+    return _platform_why()
+
+
+def _platform_why() -> str | None:
+    """Why the kernels cannot run here, the process switch aside (None: they can)."""
     version, why = _triton()
     if version is None:
         return why
     if _disabled_by_env():
         return f"disabled by {ENV_DISABLE}={os.environ[ENV_DISABLE]}"
-    if not _use_triton:
-        return "disabled by set_use_triton_kernels(False)"
     if not torch.cuda.is_available() and not interpreter():
         return "no CUDA device (and TRITON_INTERPRET is not set): PyTorch references run instead"
     return None
@@ -106,10 +111,16 @@ def refuse_grad_leaves(op: str, **tensors: Tensor) -> None:
                                "output)")
 
 
-@torch.compiler.assume_constant_result
 def kernels_on() -> bool:
-    """Read once per compilation under torch.compile (a constant of the graph), every call in eager."""
-    return _why_off() is None
+    """Whether the kernels run. Under torch.compile the process switch (``set_use_triton_kernels``) is a guard of
+    the graph: flipping it recompiles, so a compiled model follows the switch as an eager one does; the rest
+    (Triton, the environment, the device) is read once per compilation, a constant of the graph."""
+    return _use_triton and _platform_on()
+
+
+@torch.compiler.assume_constant_result
+def _platform_on() -> bool:
+    return _platform_why() is None
 
 
 def use_triton(*tensors: Tensor) -> bool:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from adaattn.models.config import ModelConfig
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_SCOPES = ("model", "blocks")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -68,12 +69,24 @@ def tf32_mode(on: bool | None) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
+def _check_scope(scope: str, model: nn.Module) -> None:
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope {scope!r} is not one of: {', '.join(COMPILE_SCOPES)}")
+    if scope == "blocks" and not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        raise ValueError("compile_scope 'blocks' needs a model with a `blocks` ModuleList (the zoo's Transformer)")
+
+
 def optimize_model(model: nn.Module, compile_mode: str | None = "default", dtype: str | None = None,
-                   tf32: bool = True) -> tuple[nn.Module, Settings]:
+                   tf32: bool = True, compile_scope: str = "model") -> tuple[nn.Module, Settings]:
     """The model with ``dtype`` weights (None: as they are), TF32 on for a CUDA model (a process-wide switch)
     and compiled in ``compile_mode`` (None: eager, the guide's escape hatch). Returns the module to call and
-    what was set; the module's parameters are the model's own (compilation wraps, it does not copy)."""
+    what was set; the module's parameters are the model's own (compilation wraps, it does not copy).
+
+    ``compile_scope``: ``model`` compiles the whole forward as one graph; ``blocks`` compiles each of the
+    model's blocks in place (regional compilation, as torchtitan does): identical blocks share one compiled
+    graph, so a deep model compiles in about one block's time, and the embedding, head and loss stay eager."""
     _check_mode(compile_mode)
+    _check_scope(compile_scope, model)
     settings = Settings(compile_mode=compile_mode, device=next(model.parameters()).device.type)
     if dtype is not None:
         model = model.to(_check_dtype(dtype))
@@ -81,7 +94,10 @@ def optimize_model(model: nn.Module, compile_mode: str | None = "default", dtype
     if tf32 and settings.device == "cuda":  # a mode of NVIDIA tensor cores
         enable_tf32()
         settings.tf32 = True
-    if compile_mode is not None:
+    if compile_mode is not None and compile_scope == "blocks":
+        for block in model.blocks:
+            block.compile(mode=compile_mode)
+    elif compile_mode is not None:
         model = torch.compile(model, mode=compile_mode)
     return model, settings
 
@@ -111,8 +127,11 @@ class Trainer:
     token count: reading them (``float(...)``) waits for the GPU, so a loop reads them when it logs."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, dtype: str = "bf16",
-                 grad_clip: float | None = 1.0, tf32: bool | None = None):
+                 grad_clip: float | None = 1.0, tf32: bool | None = None, compile_loss: bool = False):
         self.model, self.optimizer, self.tf32 = model, optimizer, tf32
+        # the default loss compiled: the fp32 cast, log-softmax and gather fused, one read of the B x S x vocab
+        # logits instead of an fp32 copy and its log-probabilities written and read again
+        self._cross_entropy = torch.compile(_cross_entropy_fp32) if compile_loss else _cross_entropy_fp32
         self.compute_dtype = _check_dtype(dtype)
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None; got {grad_clip}")
@@ -146,7 +165,7 @@ class Trainer:
         the caller's grad mode and the model's mode. The B x S x vocab logits are not returned: they are not kept
         through the backward, where the loss's gradients peak."""
         logits, aux = self.forward(inputs, return_aux=True)
-        loss = (criterion or _cross_entropy)(logits.float(), targets)
+        loss = criterion(logits.float(), targets) if criterion else self._cross_entropy(logits, targets)
         # a routed model's routers learn, beside the loss, whether a token makes their top k (causal inference)
         return loss, loss if aux is None else loss + self.model.cfg.router_aux_weight * aux
 
@@ -167,8 +186,8 @@ class Trainer:
             return self.model(inputs, return_aux=True) if routed else (self.model(inputs), None)
 
 
-def _cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+def _cross_entropy_fp32(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -189,16 +208,20 @@ def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | d
                                     compile_mode: str | None = "default", dtype: str = "bf16",
                                     grad_clip: float | None = 1.0, checkpointing: str | None = None,
                                     device: str | torch.device | None = None, fused: bool | None = None,
-                                    tf32: bool = True) -> tuple[nn.Module, torch.optim.Optimizer, Trainer]:
+                                    tf32: bool = True, compile_scope: str = "model", compile_loss: bool = False,
+                                    ) -> tuple[nn.Module, torch.optim.Optimizer, Trainer]:
     """(model, optimizer, trainer): the model built (from a config) or taken, on ``device`` (default: CUDA
     where there is one), checkpointing set where given, TF32 on for its steps (``tf32``), compiled in
     ``compile_mode``; AdamW fused
     into one kernel per step (``fused``: None = on CUDA) over ``param_groups``; a
-    ``Trainer`` with autocast to ``dtype`` and gradient clipping."""
+    ``Trainer`` with autocast to ``dtype`` and gradient clipping. ``compile_scope``: as ``optimize_model``'s;
+    ``compile_loss``: the trainer's default loss (cross-entropy over fp32 logits) compiled too."""
     from adaattn.models import build_model
 
     _check_mode(compile_mode)
     _check_dtype(dtype)
+    if compile_scope not in COMPILE_SCOPES:  # before the model is built
+        raise ValueError(f"compile_scope {compile_scope!r} is not one of: {', '.join(COMPILE_SCOPES)}")
     if not lr > 0:
         raise ValueError(f"lr must be > 0; got {lr}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -211,9 +234,10 @@ def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | d
     if fused is None:
         fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)
-    compiled, _ = optimize_model(model, compile_mode=compile_mode, tf32=False)  # TF32: per step (the trainer's)
+    # TF32: per step (the trainer's)
+    compiled, _ = optimize_model(model, compile_mode=compile_mode, tf32=False, compile_scope=compile_scope)
     return compiled, optimizer, Trainer(compiled, optimizer, dtype=dtype, grad_clip=grad_clip,
-                                        tf32=tf32 if device.type == "cuda" else None)
+                                        tf32=tf32 if device.type == "cuda" else None, compile_loss=compile_loss)
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

@@ -1,0 +1,111 @@
+"""The MFU study on the CPU at toy size: each config's training step side by side, each config adding its setting
+to those before it, our kernels' config compiling a graph of its own, fp8 a GPU's; the report's goals; bad
+sweeps name their key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from adaattn.config import ConfigError, load_raw, validate
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+TOY = {"cases": [{"model": "dense_small", "batch": 2, "seq_len": 16, "configs": ["plain", "kernels", "loss", "fp8"]}],
+       "dtype": "fp32", "side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 3}}
+
+
+def _params(update=None):
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["models"]["dense_small"].update({"dim": 64, "n_layers": 2, "n_heads": 2, "vocab_size": 256})
+    raw["mfu"]["cpu"].update({**TOY, **(update or {})})
+    return validate(raw)
+
+
+def test_each_config_is_timed_side_by_side_with_its_own_graph(monkeypatch):
+    from adaattn_experiments import mfu
+
+    compile_ = torch.compile
+    # dynamo's own eager backend: the graphs and guards without inductor's CPU compile time
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: compile_(fn, backend="eager"))
+    built = []
+    trainer = mfu.Mfu._trainer
+    monkeypatch.setattr(mfu.Mfu, "_trainer", lambda self, cfg, on, initial, sweep: built.append(
+        (sorted(on), {k: v.clone() for k, v in initial.items()})) or trainer(self, cfg, on, initial, sweep))
+    params = _params()
+    rows = mfu.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    df = pd.DataFrame(rows)
+    timed = df[df.metric == "side_by_side_ms"].set_index("provider")
+    assert timed.loc["fp8", "status"] == "unavailable" and "float8" in timed.loc["fp8", "reason"]
+    assert (timed.loc[["plain", "kernels", "loss"], "status"] == "ok").all()
+    # each config adds its setting to those listed before it, and starts from the same weights
+    assert [on for on, _ in built] == [["plain"], ["kernels", "plain"], ["kernels", "loss", "plain"]]
+    for _, state in built[1:]:
+        assert all(torch.equal(state[k], v) for k, v in built[0][1].items())
+    graphs = df[df.metric == "graphs_compiled"].set_index("provider")["value"]
+    # plain: the shared block; kernels: the block again, our kernels' switch being a guard; loss: the loss alone
+    assert graphs.to_dict() == {"plain": 1, "kernels": 1, "loss": 1}
+    assert sorted(df[df.metric == "paired_ratio"].provider) == ["kernels", "loss"]
+    assert (df[df.metric == "first_step_s"].value > 0).all()
+    assert sorted(df[df.metric == "step_peak_mem_mb"].provider) == ["kernels", "loss", "plain"]
+    assert df[df.metric == "model_flops"].value.item() > 0
+    assert not mfu.get_kernel_status()["reason"]  # the switch restored after the steps
+
+
+def test_a_preset_without_an_op_our_kernels_cover_says_so():
+    from adaattn_experiments.mfu import Mfu
+
+    params = _params()
+    assert "no op our kernels cover" in Mfu("cpu").unavailable("kernels", params.models["g0_small"])
+    assert Mfu("cpu").unavailable("kernels", params.models["dense_small"]) is None
+
+
+def _frame(ms: dict[str, float], ratios: dict[str, tuple[float, float, float]], model: str = "llama_1b",
+           target: str = "h100") -> pd.DataFrame:
+    base = {"target": target, "hardware": "test gpu", "case_id": f"mfu/{model}-b4-s2048", "model": model,
+            "batch": 4, "seq_len": 2048, "mode": "step", "status": "ok", "reason": "",
+            "cuda": None if target == "cpu" else "13.0"}
+    rows = [{**base, "case_id": "machine", "provider": "machine", "metric": "gemm_tflops", "value": 1000.0},
+            {**base, "provider": "model", "metric": "model_flops", "value": 1e14}]  # 100 ms = 100% MFU
+    rows += [{**base, "provider": p, "metric": "side_by_side_ms", "value": v} for p, v in ms.items()]
+    for p, (value, low, high) in ratios.items():
+        rows += [{**base, "provider": p, "metric": m, "value": x, "p20": value, "p80": value}
+                 for m, x in (("paired_ratio", value), ("paired_ratio_ci_low", low), ("paired_ratio_ci_high", high))]
+    return pd.DataFrame(rows)
+
+
+def test_the_goals_read_the_best_config(tmp_path):
+    from adaattn_experiments.mfu_report import render
+
+    df = _frame({"plain": 180.0, "kernels": 170.0, "fp8": 150.0},
+                {"kernels": (1.06, 1.05, 1.07), "fp8": (1.2, 1.18, 1.22)})
+    (section,) = render(df, tmp_path)
+    mfu, speedup = section.verdicts
+    assert mfu.measured == "66.7% (fp8)" and mfu.verdict == "holds"
+    assert "the best bf16 config, kernels: 58.8%" in mfu.reason
+    assert speedup.verdict == "holds" and "(fp8)" in speedup.measured
+    assert "| llama_1b" in section.markdown
+    # slower than the goals: plain is the fastest, and 55% is under 60%
+    (section,) = render(_frame({"plain": 180.0, "kernels": 185.0}, {"kernels": (0.97, 0.96, 0.98)}), tmp_path)
+    mfu, speedup = section.verdicts
+    assert mfu.verdict == "worse than claimed" and speedup.measured.startswith("1x")
+    # g0_transformer has an MFU goal and no speedup goal; a CPU target is not judged
+    (section,) = render(_frame({"plain": 100.0}, {}, model="g0_transformer", target="cpu"), tmp_path)
+    assert [v.verdict for v in section.verdicts] == ["not measurable here"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ({"configs": ["kernels", "plain"]}, "configs must start with 'plain'"),
+    ({"configs": ["plain", "loss", "loss"]}, "configs must start with 'plain' (the baseline) and not repeat one"),
+    ({"configs": ["plain", "int8"]}, "configs"),
+    ({"model": "llama_2b"}, "mfu.cpu.cases[0].models: 'llama_2b' is not a preset of models"),
+    ({"seq_len": 4096}, "mfu.cpu.cases[0].seq_len=4096 is over models.dense_small.max_seq_len"),
+])
+def test_bad_sweeps_name_the_key(case, message):
+    cases = [{**TOY["cases"][0], **case}]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        _params({"cases": cases})
