@@ -85,6 +85,7 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
                                    "side_by_side": {"budget_ms": 100, "min_rounds": 3, "max_rounds": 3}})
     params["train"]["cpu"].update({"batch": 2, "seq_len": 32, "steps": 4, "warmup": 1, "log_every": 2,
                                    "eval_every": 4, "eval_batches": 1})
+    params["mfu"]["cpu"]["side_by_side"] = {"budget_ms": 100, "min_rounds": 3, "max_rounds": 3}
     # the presets stay (the GPU targets' training results depend on them); one card is built again
     (work / "models/g0_small.json").unlink()
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -106,6 +107,7 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     import pandas as pd
 
     assert "Running stage 'models@g0_small'" in log and "Running stage 'training@h100'" not in log
+    assert "Running stage 'train_results@h100'" not in log and "Running stage 'mfu@cpu'" in log
     assert "Running stage 'checkpointing@h100'" not in log and (work / "models/weights/cpu/dense_small.pt").is_file()
     for name in params["models"]:  # one card per preset (the committed ones, and the one built again)
         card = json.loads((work / f"models/{name}.json").read_text())

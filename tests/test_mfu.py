@@ -82,18 +82,20 @@ def test_the_goals_read_the_best_config(tmp_path):
 
     df = _frame({"plain": 180.0, "kernels": 170.0, "fp8": 150.0},
                 {"kernels": (1.06, 1.05, 1.07), "fp8": (1.2, 1.18, 1.22)})
-    (section,) = render(df, tmp_path)
+    section, api = render(df, tmp_path)
     mfu, speedup = section.verdicts
+    (built,) = api.verdicts  # G0-C2: the steps ran through the guide's API
+    assert built.verdict == "by construction" and "llama_1b (plain, kernels, fp8)" in built.measured
     assert mfu.measured == "66.7% (fp8)" and mfu.verdict == "holds"
     assert "the best bf16 config, kernels: 58.8%" in mfu.reason
     assert speedup.verdict == "holds" and "(fp8)" in speedup.measured
     assert "| llama_1b" in section.markdown
     # slower than the goals: plain is the fastest, and 55% is under 60%
-    (section,) = render(_frame({"plain": 180.0, "kernels": 185.0}, {"kernels": (0.97, 0.96, 0.98)}), tmp_path)
+    section, _ = render(_frame({"plain": 180.0, "kernels": 185.0}, {"kernels": (0.97, 0.96, 0.98)}), tmp_path)
     mfu, speedup = section.verdicts
     assert mfu.verdict == "worse than claimed" and speedup.measured.startswith("1x")
     # g0_transformer has an MFU goal and no speedup goal; a CPU target is not judged
-    (section,) = render(_frame({"plain": 100.0}, {}, model="g0_transformer", target="cpu"), tmp_path)
+    section, _ = render(_frame({"plain": 100.0}, {}, model="g0_transformer", target="cpu"), tmp_path)
     assert [v.verdict for v in section.verdicts] == ["not measurable here"]
 
 

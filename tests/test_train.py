@@ -102,3 +102,26 @@ def test_bad_runs_name_the_key(update, message):
     with pytest.raises(ConfigError) as err:
         _params(update)
     assert message in str(err.value)
+
+
+def test_a_results_only_target_keeps_no_weights(tmp_path, monkeypatch):
+    """A train.results_only target (a GPU here, whose weights cannot travel back) writes its results and no weights;
+    the two lists split study_targets.train between them."""
+    from adaattn_experiments.train import Train
+
+    params = _params({"models": ["dense_small"], "steps": 2, "warmup": 1, "log_every": 1, "eval_every": 2,
+                      "eval_batches": 1})
+    split = params.train.model_copy(update={"keep_weights": {}, "results_only": {"cpu": "cpu"}})
+    rows = Train("cpu", tmp_path / "weights").extra_rows(params.model_copy(update={"train": split}),
+                                                         params.targets["cpu"])
+    (weights,) = [r for r in rows if r["metric"] == "weights_mb"]
+    assert weights["status"] == "unavailable" and "results only" in weights["reason"]
+    assert not (tmp_path / "weights").exists()
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["train"]["results_only"] = {}
+    with pytest.raises(ConfigError, match="must split study_targets.train between them"):
+        validate(raw)
+    raw["train"]["results_only"] = {"h100": "gpu"}
+    raw["train"]["keep_weights"] = {"cpu": "cpu", "h100": "gpu"}
+    with pytest.raises(ConfigError, match="each target once"):
+        validate(raw)

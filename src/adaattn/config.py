@@ -572,6 +572,44 @@ class MfuSection(ByProfile):
     gpu: MfuSweep
 
 
+ALLOCATOR_SETTINGS = ("default", "split_512", "expandable", "fraction_95")
+
+
+class AllocatorRun(_Section):
+    """G0-C1's allocator lines ("512 MB chunks", "95% of GPU memory allowed"): a preset's eager training step
+    (bf16 autocast, fused AdamW) under each of ``settings``, each in a fresh process (the caching allocator
+    reads its settings once): ``default``; ``split_512`` (``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512``, the
+    guide's chunks); ``expandable`` (``expandable_segments:True``); ``fraction_95``
+    (``torch.cuda.set_per_process_memory_fraction(0.95)``). Per setting: ``steps`` steps of ``tokens`` tokens
+    whose length cycles through ``seq_lens`` (differently shaped tensors: what fragments a caching allocator),
+    their time and the allocator's peaks; then the largest batch of ``probe_seq_len`` tokens a step fits, up to
+    ``probe_limit``."""
+
+    model: str  # a preset of `models`
+    settings: Annotated[list[Literal[ALLOCATOR_SETTINGS]], Field(min_length=1)] = list(ALLOCATOR_SETTINGS)  # type: ignore[valid-type]
+    seq_lens: Annotated[list[PositiveInt], Field(min_length=1)]
+    tokens: PositiveInt
+    steps: PositiveInt
+    probe_seq_len: PositiveInt
+    probe_limit: PositiveInt
+    timeout_s: float = Field(300, gt=0)  # one setting's process
+    seed: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _shapes(self) -> AllocatorRun:
+        for s in self.seq_lens:
+            if self.tokens % s:
+                raise ValueError(f"tokens={self.tokens} must be a multiple of every seq_lens entry; got {s}")
+        if len(set(self.settings)) != len(self.settings):
+            raise ValueError(f"settings must not repeat one; got {', '.join(self.settings)}")
+        return self
+
+
+class AllocatorSection(ByProfile):
+    cpu: AllocatorRun | None = None
+    gpu: AllocatorRun | None = None
+
+
 class TrainRun(_Section):
     """The train stage: each of ``models`` trained from fresh weights for ``steps`` steps of ``batch`` x ``seq_len``
     byte tokens (vocabulary 256) of Python's standard-library sources, AdamW at ``lr`` with ``warmup`` linear
@@ -601,6 +639,11 @@ class TrainRun(_Section):
 class TrainSection(ByProfile):
     cpu: TrainRun | None = None
     gpu: TrainRun | None = None
+    # the targets of study_targets.train split by what their stage keeps: keep_weights, the results and the
+    # weights (a DVC output, models/weights/<target>); results_only, the results (the GPU machines here return
+    # no file over 16 MiB, and a clean clone without the weights would rerun a GPU stage it cannot run)
+    keep_weights: dict[str, Profile] = {}
+    results_only: dict[str, Profile] = {}
 
 
 class G4T3Section(ByProfile):
@@ -655,6 +698,7 @@ class Params(BaseModel):
     g4_c1: G4C1Section | None = Field(None, alias="G4-C1")
     train: TrainSection | None = None
     mfu: MfuSection | None = None
+    allocator: AllocatorSection | None = None
 
     @model_validator(mode="after")
     def _ladder_models(self) -> Params:
@@ -670,6 +714,18 @@ class Params(BaseModel):
             if "ada" in sec.rungs and self.models[sec.model].positions != "learned":
                 raise ValueError(f"G0-T1.{profile}.rungs: 'ada' needs models.{sec.model}.positions 'learned' "
                                  "(AdaAttention takes no rotary positions)")
+        if self.train is not None:
+            both = set(self.train.keep_weights) & set(self.train.results_only)
+            split = {**self.train.keep_weights, **self.train.results_only}
+            if both or split != self.study_targets.get("train", split):
+                raise ValueError(f"train.keep_weights and train.results_only must split study_targets.train between "
+                                 f"them, each target once; got keep_weights {sorted(self.train.keep_weights)}, "
+                                 f"results_only {sorted(self.train.results_only)}, study_targets.train "
+                                 f"{sorted(self.study_targets.get('train', {}))}")
+        for profile in ("cpu", "gpu"):
+            run = getattr(self.allocator, profile) if self.allocator else None
+            if run is not None:
+                self._check_preset(f"allocator.{profile}", run.model, max(*run.seq_lens, run.probe_seq_len))
         for section, key in ((self.train, "train"), (self.g4_t3, "G4-T3")):
             for profile in ("cpu", "gpu"):
                 run = getattr(section, profile, None) if section else None

@@ -1,5 +1,6 @@
 """The studies. A new study is one new file plus one line in ``STUDIES``."""
 
+from adaattn_experiments.allocator import STUDY as ALLOCATOR
 from adaattn_experiments.attention_backends import STUDY as ATTENTION_BACKENDS
 from adaattn_experiments.ccgqa import STUDY as CCGQA
 from adaattn_experiments.checkpointing import STUDY as CHECKPOINTING
@@ -24,4 +25,5 @@ STUDIES = {
     TRAIN.name: TRAIN,
     CCGQA.name: CCGQA,
     MFU.name: MFU,
+    ALLOCATOR.name: ALLOCATOR,
 }

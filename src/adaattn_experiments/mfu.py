@@ -89,7 +89,7 @@ def to_float8(model: nn.Module) -> nn.Module:
 
 class Mfu(StudyDef):
     name = "mfu"
-    table_ids = ("G0-T1",)
+    table_ids = ("G0-T1", "G0-C2")
     config_columns = ["model", "batch", "seq_len"]
 
     def __init__(self, device: str = "cpu"):

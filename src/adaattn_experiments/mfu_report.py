@@ -55,7 +55,25 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "graphs it compiled (a graph an earlier config compiled is reused: the loss config compiles only its "
           "loss). Step peak: weights, AdamW state and one step's peak over them. FP8 changes the arithmetic: its "
           "loss over a training run against bf16's is not measured here.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
-    return [Section("G0-T1", "MFU goals (training step, compiled, by config)", md, verdicts)]
+    return [Section("G0-T1", "MFU goals (training step, compiled, by config)", md, verdicts), _g0_c2(runs)]
+
+
+def _g0_c2(runs: pd.DataFrame) -> Section:
+    """G0-C2, the guide's API: each target's timed steps ran through it (``create_optimized_training_setup``'s
+    model, optimizer and trainer; ``Trainer.train_step``; the compile modes and scopes ``optimize_model`` takes)."""
+    verdicts = []
+    steps = runs[(runs["metric"] == "side_by_side_ms") & (runs["status"] == "ok")]
+    for target, frame in steps.groupby("target", sort=False):
+        ran = ", ".join(f"{m} ({', '.join(dict.fromkeys(f['provider']))})" for m, f in frame.groupby("model", sort=False))
+        verdicts.append(Verdict(
+            "G0-C2", "create_optimized_training_setup(model, ...) -> (model, optimizer, trainer); "
+            "trainer.train_step(batch, criterion)", "an API", f"every step timed here ran through it: {ran}",
+            frame["hardware"].iloc[0], "by construction",
+            "optimize_model's compile modes (default, reduce-overhead, max-autotune, None) and scopes; the "
+            "trainer's bf16 autocast, TF32, fused AdamW, clipping (docs/models.md)"))
+    md = ("The guide's API (`adaattn.models.train`, docs/models.md): the MFU study builds every config through "
+          "`create_optimized_training_setup` and times `Trainer.train_step`.\n")
+    return Section("G0-C2", "The API (optimize_model, create_optimized_training_setup, train_step)", md, verdicts)
 
 
 def _goals(target: str, case_id: str, model: str, hw: str, best: str | None, mfu: float | None, rate: float | None,

@@ -7,8 +7,9 @@ dtype; eager), a linear warm-up then a cosine to a tenth of ``lr``. Rows per mod
 ``log_every`` steps (its mean over them) and the time per step over them (``step`` column: the curve, which
 MLflow logs as each metric's history); the validation loss every ``eval_every`` steps and at the end, in
 eval mode (HYDRA routes causally there: a token by its router's score, not by a top-k over the sequence);
-tokens/s over the steps after the first interval; the model's FLOPs per step; and the weights, saved to
-``models/weights/<target>/<model>.pt`` (the stage's DVC output, outside git; ``models.train.load_model``).
+tokens/s over the steps after the first interval; the model's FLOPs per step; and, on a ``train.keep_weights``
+target, the weights, saved to ``models/weights/<target>/<model>.pt`` (the stage's DVC output, outside git;
+``models.train.load_model``); a ``train.results_only`` target's stage keeps its results only.
 """
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ class Train(StudyDef):
         rows = [{"table_id": "train", "case_id": "train/corpus", "provider": "corpus", "mode": "", "metric":
                  "corpus_bytes", "value": corpus.info["train_bytes"] + corpus.info["val_bytes"], "unit": "bytes",
                  "status": "ok", "reason": info, "kernel": ""}]
+        keep = name in params.train.keep_weights
         for model in run.models:
-            rows += self._train(model, params.models[model], run, corpus, self.weights_root / name)
+            rows += self._train(model, params.models[model], run, corpus, self.weights_root / name if keep else None)
             if self.device == "cuda":
                 torch.cuda.empty_cache()
         return rows
 
-    def _train(self, name: str, preset: ModelConfig, run: TrainRun, corpus: Corpus, out: Path) -> list[dict]:
+    def _train(self, name: str, preset: ModelConfig, run: TrainRun, corpus: Corpus, out: Path | None) -> list[dict]:
         B, S = run.batch, run.seq_len
         base = {"table_id": "train", "case_id": f"train/{name}-b{B}-s{S}", "kernel": "", "model": name,
                 "batch": B, "seq_len": S}
@@ -140,10 +142,15 @@ class Train(StudyDef):
         if timed_steps:
             rows.append({**row, "mode": "step", "metric": "tokens_per_s", "value": B * S * timed_steps / timed_ms * 1e3,
                          "unit": "tokens/s", "samples": timed_steps, "reason": "over the steps after the first row"})
-        path = out / f"{name}.pt"
-        save_checkpoint(path, model, step=run.steps, vocab=VOCAB)
-        rows.append({**row, "mode": "step", "step": run.steps, "metric": "weights_mb",
-                     "value": path.stat().st_size / 2**20, "unit": "MiB", "reason": f"{path.as_posix()}"})
+        if out is None:
+            rows.append({**row, "mode": "step", "step": run.steps, "metric": "weights_mb", "value": None, "unit": "MiB",
+                         "status": "unavailable", "reason": "not kept: a train.results_only target's stage keeps its "
+                         "results only"})
+        else:
+            path = out / f"{name}.pt"
+            save_checkpoint(path, model, step=run.steps, vocab=VOCAB)
+            rows.append({**row, "mode": "step", "step": run.steps, "metric": "weights_mb",
+                         "value": path.stat().st_size / 2**20, "unit": "MiB", "reason": f"{path.as_posix()}"})
         del model, optimizer, trainer
         return rows
 
