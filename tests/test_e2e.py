@@ -86,6 +86,9 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     params["train"]["cpu"].update({"batch": 2, "seq_len": 32, "steps": 4, "warmup": 1, "log_every": 2,
                                    "eval_every": 4, "eval_batches": 1})
     params["mfu"]["cpu"]["side_by_side"] = {"budget_ms": 100, "min_rounds": 3, "max_rounds": 3}
+    params["G3-T3"]["cpu"].update({"batches": [1], "prompt_len": 16, "new_tokens": 4,
+                                   "side_by_side": {"budget_ms": 100, "min_rounds": 3, "max_rounds": 3}})
+    params["G3-T1"]["cpu"].update({"seq_len": 128, "sweeps": {"batch": [1, 2], "memory_slots": [16, 32]}})
     # the presets stay (the GPU targets' training results depend on them); one card is built again
     (work / "models/g0_small.json").unlink()
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

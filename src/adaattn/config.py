@@ -572,6 +572,71 @@ class MfuSection(ByProfile):
     gpu: MfuSweep
 
 
+MEMORY_SWEEPS = ("batch", "seq_len", "memory_slots", "dim", "n_layers")
+
+
+class MemorySweep(_Section):
+    """G3-T1: where an LTM transformer's memory goes, each component measured over sweeps of one variable at a time
+    (the others at ``batch``, ``seq_len`` and the preset's own): parameters (bytes; over ``n_layers`` and ``dim``),
+    the memory bank (the banks' bytes after a sequence long enough to fill them; over ``memory_slots`` and
+    ``dim``), attention (one attention layer's training call's peak, SDPA's math backend and its fused ones; over
+    ``batch`` and ``seq_len``) and activations (a training step's forward and backward peak over the weights;
+    over ``batch``, ``seq_len`` and ``dim``), and each component's optimisation (quantisation, compression,
+    FlashAttention, checkpointing). The report fits each component's exponent in each variable."""
+
+    model: str  # an LTM preset of `models` (memory_slots set)
+    batch: PositiveInt
+    seq_len: PositiveInt
+    sweeps: dict[Literal[MEMORY_SWEEPS], Annotated[list[PositiveInt], Field(min_length=2)]]  # type: ignore[valid-type]
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    seed: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _distinct(self) -> MemorySweep:
+        for key, values in self.sweeps.items():
+            if len(set(values)) < 2:
+                raise ValueError(f"sweeps.{key} needs two distinct values or more to fit an exponent; got {values}")
+        return self
+
+
+class G3T1Section(ByProfile):
+    cpu: MemorySweep
+    gpu: MemorySweep
+
+
+INFERENCE_CONFIGS = ("base", "flash", "int8", "compiled", "compiled_int8", "no_cache")
+
+
+class InferenceSweep(_Section):
+    """G3-T3 and issue 48's decode goals: a dense decoder's prefill and decode in each of ``configs`` at each of
+    ``batches``, side by side per batch: ``base`` (eager, SDPA's math backend: the scores materialised),
+    ``flash`` (SDPA's fused backends), ``int8`` (flash with INT8 weight-only linears), ``compiled`` (flash, the
+    decode step compiled with CUDA graphs), ``compiled_int8`` (the same over INT8 weights) and ``no_cache``
+    (flash without the KV cache: each new token runs the whole prefix again). ``prompt_len`` tokens of prompt;
+    the cache holds ``prompt_len + new_tokens``; weights in ``dtype``."""
+
+    model: str  # a preset of `models`: a dense decoder with SDPA attention
+    batches: Annotated[list[PositiveInt], Field(min_length=1)]
+    prompt_len: PositiveInt
+    new_tokens: PositiveInt
+    configs: Annotated[list[Literal[INFERENCE_CONFIGS]], Field(min_length=1)]  # type: ignore[valid-type]
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    side_by_side: Rounds
+    seed: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _configs(self) -> InferenceSweep:
+        if len(set(self.configs)) != len(self.configs) or len(set(self.batches)) != len(self.batches):
+            raise ValueError(f"configs and batches must not repeat one; got configs {', '.join(self.configs)}, "
+                             f"batches {self.batches}")
+        return self
+
+
+class G3T3Section(ByProfile):
+    cpu: InferenceSweep
+    gpu: InferenceSweep
+
+
 ALLOCATOR_SETTINGS = ("default", "split_512", "expandable", "fraction_95")
 
 
@@ -674,6 +739,9 @@ class Verdicts(_Section):
     # rate, and at least mfu_speedup x the plain compiled model's tokens/s where the preset is listed there
     mfu_goals: dict[str, Annotated[float, Field(gt=0, le=1)]] = {"g0_transformer": 0.55, "llama_1b": 0.60}
     mfu_speedup: dict[str, Annotated[float, Field(gt=0)]] = {"llama_1b": 1.1}
+    decode_roofline: float = Field(0.80, gt=0, le=1)  # G3-T3: batch-1 decode's bytes / time over the copy bandwidth
+    int8_decode_speedup: float = Field(1.7, gt=0)  # G3-T3: INT8 weight-only decode over bf16's, batch 1, compiled
+    exponent_tolerance: float = Field(0.15, ge=0)  # G3-T1: a fitted exponent within this fraction of the O()'s
 
 
 class Params(BaseModel):
@@ -699,6 +767,8 @@ class Params(BaseModel):
     train: TrainSection | None = None
     mfu: MfuSection | None = None
     allocator: AllocatorSection | None = None
+    g3_t3: G3T3Section | None = Field(None, alias="G3-T3")
+    g3_t1: G3T1Section | None = Field(None, alias="G3-T1")
 
     @model_validator(mode="after")
     def _ladder_models(self) -> Params:
@@ -722,6 +792,24 @@ class Params(BaseModel):
                                  f"them, each target once; got keep_weights {sorted(self.train.keep_weights)}, "
                                  f"results_only {sorted(self.train.results_only)}, study_targets.train "
                                  f"{sorted(self.study_targets.get('train', {}))}")
+        for profile in ("cpu", "gpu"):
+            run = getattr(self.g3_t1, profile) if self.g3_t1 else None
+            if run is not None:
+                longest = max([run.seq_len, *run.sweeps.get("seq_len", [])])
+                self._check_preset(f"G3-T1.{profile}", run.model, longest)
+                if self.models[run.model].memory_slots is None:
+                    raise ValueError(f"G3-T1.{profile}.model {run.model!r} has no memory bank (memory_slots): the study "
+                                     "measures an LTM preset")
+        for profile in ("cpu", "gpu"):
+            run = getattr(self.g3_t3, profile) if self.g3_t3 else None
+            if run is not None:
+                self._check_preset(f"G3-T3.{profile}", run.model, run.prompt_len + run.new_tokens)
+                from adaattn.models.generate import check_decodable
+
+                try:
+                    check_decodable(self.models[run.model])
+                except ValueError as err:
+                    raise ValueError(f"G3-T3.{profile}.model {run.model!r}: {err}") from None
         for profile in ("cpu", "gpu"):
             run = getattr(self.allocator, profile) if self.allocator else None
             if run is not None:

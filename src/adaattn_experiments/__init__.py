@@ -5,7 +5,9 @@ from adaattn_experiments.attention_backends import STUDY as ATTENTION_BACKENDS
 from adaattn_experiments.ccgqa import STUDY as CCGQA
 from adaattn_experiments.checkpointing import STUDY as CHECKPOINTING
 from adaattn_experiments.cpu_baseline import STUDY as CPU_BASELINE
+from adaattn_experiments.inference import STUDY as INFERENCE
 from adaattn_experiments.kernels import STUDY as KERNELS
+from adaattn_experiments.memory_analysis import STUDY as MEMORY_ANALYSIS
 from adaattn_experiments.mfu import STUDY as MFU
 from adaattn_experiments.precision import STUDY as PRECISION
 from adaattn_experiments.rank import STUDY as RANK
@@ -26,4 +28,6 @@ STUDIES = {
     CCGQA.name: CCGQA,
     MFU.name: MFU,
     ALLOCATOR.name: ALLOCATOR,
+    INFERENCE.name: INFERENCE,
+    MEMORY_ANALYSIS.name: MEMORY_ANALYSIS,
 }

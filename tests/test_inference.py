@@ -1,0 +1,98 @@
+"""The inference study (G3-T3) on the CPU at toy size: prefill and decode side by side per batch in each config,
+the bytes a decode step reads, the report's goals and the guide's ratios; bad sweeps name their key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from adaattn.config import ConfigError, load_raw, validate
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+TOY = {"model": "dense_small", "batches": [1, 2], "prompt_len": 8, "new_tokens": 4, "dtype": "fp32",
+       "configs": ["base", "flash", "int8", "compiled", "compiled_int8", "no_cache"],
+       "side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 3}}
+
+
+def _params(update=None):
+    raw = copy.deepcopy(load_raw(PARAMS))
+    # PyTorch's MLP and norm: the zoo's kernels run interpreted under the tests' TRITON_INTERPRET
+    raw["models"]["dense_small"].update({"dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 64, "mlp": "gelu",
+                                         "norm": "layernorm"})
+    raw["G3-T3"]["cpu"] = {**TOY, **(update or {})}
+    return validate(raw)
+
+
+def test_the_bytes_a_decode_step_reads():
+    from adaattn.models import build_model
+    from adaattn.models.generate import setup_kv_cache
+    from adaattn.models.quant import quantize_int8_weight_only
+    from adaattn_experiments.inference import cache_bytes, weight_bytes
+
+    params = _params()
+    for tie in (True, False):
+        cfg = params.models["dense_small"].model_copy(update={"tie_embeddings": tie})
+        model = build_model(cfg)
+        table = cfg.vocab_size * cfg.dim * 4
+        every = sum(p.numel() * 4 for p in model.parameters())  # a tied table counts once
+        # the lookup's table is not read whole by a step; a tied head is
+        assert weight_bytes(model) == (every if tie else every - table)
+        setup_kv_cache(model, 3, 16)
+        assert cache_bytes(model) == cfg.n_layers * 2 * 3 * cfg.kv_heads * 16 * cfg.head_dim * 4
+        assert weight_bytes(model) == (every if tie else every - table)  # the caches are not weights
+    linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "head"]
+    weights, rows = sum(m.weight.numel() for m in linears), sum(m.out_features for m in linears)
+    before = weight_bytes(model)
+    quantize_int8_weight_only(model)
+    assert weight_bytes(model) == before - 3 * weights + 4 * rows  # 4 bytes a weight become 1, and a scale a row
+
+
+def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path):
+    from adaattn_experiments.inference import STUDY
+    from adaattn_experiments.inference_report import render
+
+    compile_ = torch.compile
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **k: modes.append(mode) or compile_(fn, backend="eager"))
+    params = _params()
+    rows = STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    df = pd.DataFrame(rows)
+    assert (df.status == "ok").all(), df[df.status != "ok"]
+    assert modes and set(modes) == {"reduce-overhead"}
+    for B in (1, 2):
+        at = df[df.batch == B]
+        steps = at[at.metric == "side_by_side_ms"]
+        assert set(steps[steps.phase == "prefill"].provider) == set(TOY["configs"]) - {"no_cache"}
+        assert set(steps[steps.phase == "decode"].provider) == set(TOY["configs"])
+        # the compiled decode is the pair's baseline: every other config's time ratio to it
+        assert set(at[at.metric == "paired_ratio"].provider) == set(TOY["configs"]) - {"compiled"}
+        read = at[at.metric == "decode_bytes"].set_index("provider")["value"]
+        assert read["int8"] < read["flash"] and read["no_cache"] < read["flash"]
+        assert (at[at.metric == "peak_mem_mb"].value > 0).all()
+    gpu = pd.concat([df.assign(target="h100", hardware="test gpu", cuda="13.0"),
+                     pd.DataFrame([{"target": "h100", "hardware": "test gpu", "cuda": "13.0", "case_id": "machine",
+                                    "provider": "machine", "metric": "copy_gbps", "value": 1.0, "status": "ok"}])])
+    (section,) = render(gpu, tmp_path)
+    claims = [v.claim for v in section.verdicts]
+    assert claims[:3] == ["+FlashAttention: 28.3 ms after 42.5 (1.50x)", "+INT8: 18.7 ms after 28.3 (1.51x)",
+                          "+TensorParallel: 12.4 ms"]
+    assert claims[3:] == ["batch-1 decode at least 80% of the bandwidth roofline",
+                          "INT8 weight-only decode at batch 1 at least 1.7x bf16's"]
+    assert section.verdicts[2].verdict == "not measured yet"
+    assert "| compiled_int8" in section.markdown
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"model": "hydra_small"}, "G3-T3.cpu.model 'hydra_small': attention='ccgqa': KV-cache decoding supports"),
+    ({"model": "llama_9b"}, "G3-T3.cpu.models: 'llama_9b' is not a preset of models"),
+    ({"prompt_len": 500, "new_tokens": 100}, "G3-T3.cpu.seq_len=600 is over models.dense_small.max_seq_len"),
+    ({"batches": [1, 1]}, "configs and batches must not repeat one"),
+    ({"configs": ["base", "fp4"]}, "configs"),
+])
+def test_bad_sweeps_name_the_key(update, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _params(update)
