@@ -52,6 +52,8 @@ def test_each_setting_runs_in_its_own_process_with_its_environment(monkeypatch):
             return SimpleNamespace(returncode=1, stdout="", stderr="RuntimeError: boom")
         if job["setting"] == "fraction_95":
             raise subprocess.TimeoutExpired(cmd, 1)
+        if job["setting"] == "split_512":
+            return SimpleNamespace(returncode=0, stdout="", stderr="")  # a process that printed no rows
         return SimpleNamespace(returncode=0, stderr="", stdout="log line\n" + json.dumps([{"metric": "step_ms"}]))
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")  # not inherited
@@ -60,7 +62,7 @@ def test_each_setting_runs_in_its_own_process_with_its_environment(monkeypatch):
     out = {s: allocator.run_setting(s, run, {}) for s in run.settings}
     assert calls == [("default", None), ("split_512", "max_split_size_mb:512"),
                      ("expandable", "expandable_segments:True"), ("fraction_95", None)]
-    assert out["default"] == [{"metric": "step_ms"}]
+    assert out["default"] == [{"metric": "step_ms"}] and out["split_512"][0]["status"] == "error"
     assert out["expandable"][0]["status"] == "error" and "exited 1: RuntimeError: boom" in out["expandable"][0]["reason"]
     assert "outlasted allocator.timeout_s" in out["fraction_95"][0]["reason"]
 

@@ -85,11 +85,12 @@ def run_setting(setting: str, run: AllocatorRun, preset: dict) -> list[dict]:
     except subprocess.TimeoutExpired:
         return [{"case_id": case, "provider": setting, "metric": "step_ms", "value": None, "unit": "ms",
                  "status": "error", "reason": f"the setting's process outlasted allocator.timeout_s={run.timeout_s}"}]
-    if done.returncode != 0:
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
         tail = " ".join(done.stderr.split())[-300:]
         return [{"case_id": case, "provider": setting, "metric": "step_ms", "value": None, "unit": "ms",
                  "status": "error", "reason": f"the setting's process exited {done.returncode}: {tail}"}]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(lines[-1])  # its last line: the rows (a library may print before)
 
 
 def measure(setting: str, run: AllocatorRun, preset: dict) -> list[dict]:

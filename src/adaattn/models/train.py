@@ -165,7 +165,7 @@ class Trainer:
         the caller's grad mode and the model's mode. The B x S x vocab logits are not returned: they are not kept
         through the backward, where the loss's gradients peak."""
         logits, aux = self.forward(inputs, return_aux=True)
-        loss = criterion(logits.float(), targets) if criterion else self._cross_entropy(logits, targets)
+        loss = criterion(logits.float(), targets) if criterion is not None else self._cross_entropy(logits, targets)
         # a routed model's routers learn, beside the loss, whether a token makes their top k (causal inference)
         return loss, loss if aux is None else loss + self.model.cfg.router_aux_weight * aux
 
