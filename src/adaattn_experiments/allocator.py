@@ -138,7 +138,9 @@ def measure(setting: str, run: AllocatorRun, preset: dict) -> list[dict]:
 
 
 def probe(trainer, vocab: int, run: AllocatorRun, g: torch.Generator) -> tuple[int, bool]:
-    """The largest batch (at most ``probe_limit``) whose training step fits; whether the limit stopped the search."""
+    """The largest batch (at most ``probe_limit``) whose training step fits; whether the limit stopped the search.
+    Not ``models.serving.find_optimal_batch_size``: that empties the cache after every trial, and this study
+    measures the allocator's pool as the steps before left it."""
     def fits(batch: int) -> bool:
         tokens = torch.randint(0, vocab, (batch, run.probe_seq_len + 1), generator=g)
         try:
