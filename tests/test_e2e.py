@@ -80,6 +80,7 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
         params[section]["cpu"].update(small)
     params["bench"]["cpu"] = {"warmup": 1, "repeats": 2}
     params["G0-T1"]["cpu"].update({"model": "g0_small", "batch": 1, "seq_len": 32, "rungs": ["fp32", "sdpa"],
+                                   "compile_modes": [],
                                    "side_by_side": {"budget_ms": 100, "min_rounds": 6, "max_rounds": 10}})
     params["G4-T3"]["cpu"].update({"batch": 1, "seq_len": 64,
                                    "side_by_side": {"budget_ms": 100, "min_rounds": 3, "max_rounds": 3}})

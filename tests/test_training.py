@@ -18,6 +18,7 @@ from adaattn.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 SMALL = {"batch": 1, "seq_len": 16, "rungs": ["fp32", "tf32", "sdpa", "ada", "checkpointing"],
+         "compile_modes": [],
          "side_by_side": {"budget_ms": 1, "min_rounds": 6, "max_rounds": 6}}
 
 
@@ -81,3 +82,41 @@ def test_bad_ladders_name_the_key(update, message):
     with pytest.raises(ConfigError) as err:
         _params(update)
     assert message in str(err.value)
+
+
+def test_each_compile_mode_is_timed_against_the_eager_rung(monkeypatch, tmp_path):
+    """G0-C1's "each mode": the compile rung in each mode, side by side with the rung before it; the default mode is
+    the ladder's own compile rung; the report judges each mode's gain (on a GPU)."""
+    from adaattn_experiments.training import STUDY
+    from adaattn_experiments.training_report import render
+
+    compile_ = torch.compile
+    modes = []
+    # dynamo's own eager backend: the plumbing without inductor's CPU compile time
+    monkeypatch.setattr(torch, "compile", lambda m, mode=None, **k: modes.append(mode) or compile_(m, backend="eager"))
+    params = _params({"rungs": ["sdpa", "compile"], "compile_modes": ["default", "reduce-overhead"]},
+                     {"G1-C1": None})
+    study = STUDY.bind("cpu")
+    (case,) = study.cases(params, params.targets["cpu"])
+    rows = study.extra_rows(params, params.targets["cpu"])
+    assert sorted(m for m in modes if m) == ["default", "reduce-overhead"]  # the default: the compile rung's
+    df = pd.DataFrame([{**r, "target": "h100", "hardware": "test gpu", "cuda": "13.0"} for r in rows])
+    group = df[df.table_id == "G0-C1"]
+    assert set(group[group.metric == "side_by_side_ms"].provider) == {"eager", "compile:default",
+                                                                      "compile:reduce-overhead"}
+    assert sorted(group[group.metric == "paired_ratio"].provider) == ["compile:default", "compile:reduce-overhead"]
+    assert set(group[group.metric == "cudagraph_skips"].provider) == {"compile:default", "compile:reduce-overhead"}
+    sections = render(df, tmp_path)
+    c1 = next(s for s in sections if s.table_id == "G0-C1")
+    claims = [v.claim for v in c1.verdicts if "mode" in v.claim]
+    assert claims == [f"torch.compile 10-30% more (whole training step, mode {m})" for m in ("default",
+                                                                                            "reduce-overhead")]
+    assert "| reduce-overhead" in c1.markdown
+
+
+def test_compile_modes_need_the_compile_rung_and_one_before_it():
+    for rungs in (["fp32", "sdpa"], ["compile", "ada"]):
+        with pytest.raises(ConfigError, match="compile_modes needs the 'compile' rung and a rung before it"):
+            _params({"rungs": rungs, "compile_modes": ["default"]})
+    with pytest.raises(ConfigError, match="compile_modes must not repeat a mode"):
+        _params({"rungs": ["sdpa", "compile"], "compile_modes": ["default", "default"]})

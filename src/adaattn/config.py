@@ -436,8 +436,20 @@ class TrainingLadder(_Section):
     batch: PositiveInt
     seq_len: PositiveInt
     rungs: Annotated[list[Literal[RUNGS]], Field(min_length=1)]  # type: ignore[valid-type]
+    # G0-C1's "each mode": the compile rung's step in each of these torch.compile modes, side by side with the rung
+    # before it (eager), its own group of rounds; [] = the ladder's default mode only
+    compile_modes: list[Literal["default", "reduce-overhead", "max-autotune"]] = []
     side_by_side: Rounds
     seed: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _modes(self) -> TrainingLadder:
+        if self.compile_modes and ("compile" not in self.rungs or self.rungs[0] == "compile"):
+            raise ValueError("compile_modes needs the 'compile' rung and a rung before it (the eager step it is "
+                             f"timed against); got rungs {', '.join(self.rungs)}")
+        if len(set(self.compile_modes)) != len(self.compile_modes):
+            raise ValueError(f"compile_modes must not repeat a mode; got {', '.join(self.compile_modes)}")
+        return self
 
     @field_validator("rungs")
     @classmethod

@@ -54,7 +54,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "interval. First step: the config's first step, its compilation included; graphs compiled: the dynamo "
           "graphs it compiled (a graph an earlier config compiled is reused: the loss config compiles only its "
           "loss). Step peak: weights, AdamW state and one step's peak over them. FP8 changes the arithmetic: its "
-          "loss over a training run against bf16's is not measured here.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+          "loss over a training run against bf16's is not measured here.\n\n"
+          + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
     return [Section("G0-T1", "MFU goals (training step, compiled, by config)", md, verdicts), _g0_c2(runs)]
 
 
@@ -64,7 +65,8 @@ def _g0_c2(runs: pd.DataFrame) -> Section:
     verdicts = []
     steps = runs[(runs["metric"] == "side_by_side_ms") & (runs["status"] == "ok")]
     for target, frame in steps.groupby("target", sort=False):
-        ran = ", ".join(f"{m} ({', '.join(dict.fromkeys(f['provider']))})" for m, f in frame.groupby("model", sort=False))
+        ran = ", ".join(f"{m} ({', '.join(dict.fromkeys(f['provider']))})"
+                        for m, f in frame.groupby("model", sort=False))
         verdicts.append(Verdict(
             "G0-C2", "create_optimized_training_setup(model, ...) -> (model, optimizer, trainer); "
             "trainer.train_step(batch, criterion)", "an API", f"every step timed here ran through it: {ran}",

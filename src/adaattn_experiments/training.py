@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import Tensor
+from torch._dynamo.utils import counters
 
 from adaattn.bench.harness import Case, Workload
 from adaattn.bench.memory import peak_row
@@ -106,9 +107,12 @@ class Training(StudyDef):
         return self._batch
 
     def trainer(self, rung: str) -> Trainer:
-        """The rung's model, optimizer and trainer (built once; every rung from the same initial weights)."""
+        """The rung's model, optimizer and trainer (built once; every rung from the same initial weights); a
+        ``compile:<mode>`` rung is the compile rung in that torch.compile mode."""
         if rung not in self._trainers:
-            s = rung_settings(list(self._sec.rungs), rung)
+            name, _, mode = rung.partition(":")
+            s = rung_settings(list(self._sec.rungs), name)
+            s["compile_mode"] = mode or s["compile_mode"]
             cfg = ModelConfig(**{**self._cfg.model_dump(), "attention": s["attention"]})
             if self._base is None:  # built with the zoo's attention (its weights' names), whatever the preset's
                 torch.manual_seed(self._sec.seed)
@@ -161,8 +165,39 @@ class Training(StudyDef):
             rows.append(peak_row({**base, "provider": rung, "mode": "step", "metric": "step_peak_mem_mb"},
                                  lambda: trainer.train_step(self._inputs()), self.device, trainer.held_bytes(),
                                  "weights and optimizer state held, and one step's peak over them"))
+        if self._sec.compile_modes:
+            rows += self._mode_rows(case)
         if params.g1_c1 is not None:
             rows += g1_c1_rows(getattr(params.g1_c1, target.profile), self.device)
+        return rows
+
+    def _mode_rows(self, case: Case) -> list[dict]:
+        """G0-C1's compile modes: the compile rung's step in each mode, side by side with the rung before it
+        (``eager``; ``paired_ratio``: eager over the mode, the mode's gain), and the CUDA-graph skips each mode's
+        first steps logged (a skipped graph runs without CUDA graphs: reduce-overhead is then default)."""
+        rungs = list(self._sec.rungs)
+        eager = rungs[rungs.index("compile") - 1]
+        base = {"table_id": "G0-C1", "case_id": case.case_id.replace("G0-T1/", "G0-C1/compile-modes-"), "kernel": "",
+                **case.config}
+        # the default mode is the ladder's compile rung itself (one model fewer to compile and hold)
+        names = {"eager": eager, **{f"compile:{m}": "compile" if m == "default" else f"compile:{m}"
+                                    for m in self._sec.compile_modes}}
+        skips: dict[str, int] = {}
+
+        def build(name: str) -> Workload:
+            before = counters["inductor"]["cudagraph_skips"]
+            work = self._step(names[name])
+            work.fwd()  # the first step compiles (and records any CUDA-graph skip)
+            skips[name] = counters["inductor"]["cudagraph_skips"] - before
+            return work
+
+        rows = side_by_side_rows([(base, "step", {n: functools.partial(build, n) for n in names})], self.device,
+                                 keep=list(names), rounds=self._sec.side_by_side, seed=self._sec.seed,
+                                 paired="eager")
+        for name, n in skips.items():
+            if name != "eager":
+                rows.append({**base, "provider": name, "mode": "step", "metric": "cudagraph_skips", "value": n,
+                             "unit": "graphs", "status": "ok", "reason": "inductor's CUDA-graph skips at its first step"})
         return rows
 
     def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:

@@ -19,7 +19,7 @@ def _value(runs: pd.DataFrame, metric: str, mode: str) -> pd.DataFrame:
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
-    runs = df[(df["case_id"] != "machine") & (df["table_id"] != "G1-C1")]
+    runs = df[(df["case_id"] != "machine") & ~df["table_id"].isin(["G1-C1", "G0-C1"])]
     gemm = df[(df["case_id"] == "machine") & (df["metric"] == "gemm_tflops")].set_index("target")["value"]
     fwd, mem = _value(runs, "time_ms", "fwd"), _value(runs, "peak_mem_mb", "fwd")
     step, step_mem = _value(runs, "step_side_by_side_ms", "step"), _value(runs, "step_peak_mem_mb", "step")
@@ -56,10 +56,47 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "optimizer state, and one step's peak over them.\n\n"
           + (md_table(pd.DataFrame(rows)) if rows else "no results")
           + "\n")
+    modes_md, modes = _compile_modes(df)
     return [Section("G0-T1", "Performance Metrics (training ladder)", md, t1),
             Section("G0-C1", "Core optimizations, rung by rung", "The gains are in the G0-T1 table's last column "
-                    "(median step time of the rung before over this rung's, in one run).\n", c1),
+                    "(median step time of the rung before over this rung's, in one run).\n" + modes_md, c1 + modes),
             *_g1_c1(df)]
+
+
+def _compile_modes(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
+    """G0-C1's "torch.compile 10-30% more" in each mode: the compile rung's step in the mode over the eager rung
+    before it, side by side in their own rounds."""
+    runs = df[df["case_id"].str.startswith("G0-C1/compile-modes", na=False)]
+    if runs.empty:
+        return "", []
+    ratios, cpus = paired_frame(runs), cpu_targets(df)
+    band, tol = guide_figures()["G0-C1"]["figures"]["compile_extra_speedup"], knobs().guide_ratio_tolerance
+    table, verdicts = [], []
+    for target, frame in runs.groupby("target", sort=False):
+        ok = frame[frame["status"] == "ok"].set_index(["metric", "provider"])["value"]
+        hw = frame["hardware"].iloc[0]
+        for mode in [p for p in dict.fromkeys(frame["provider"]) if p.startswith("compile:")]:
+            r = ratios[(ratios["target"] == target) & (ratios["vs"] == mode)]
+            r = r.iloc[0].to_dict() if len(r) else None
+            skips = ok.get(("cudagraph_skips", mode))
+            table.append({"target": target, "mode": mode.partition(":")[2],
+                          "eager step ms": fmt(ok.get(("side_by_side_ms", "eager"))),
+                          "compiled step ms": fmt(ok.get(("side_by_side_ms", mode))),
+                          "gain (eager / compiled)": ratio_text(r) if r else "-",
+                          "CUDA-graph skips": fmt(skips)})
+            if r is None:
+                continue
+            claim = f"torch.compile 10-30% more (whole training step, mode {mode.partition(':')[2]})"
+            verdicts.append(Verdict(
+                "G0-C1", claim, f"{band[0]:g}-{band[1]:g}x", ratio_text(r), hw,
+                "not measurable here" if target in cpus else judge((r["ci_low"], r["ci_high"]), tuple(band), True, tol),
+                GPU_CLAIM if target in cpus else "the eager rung's step over the compiled one's, round by round"
+                + (f"; {skips:g} CUDA graphs skipped" if skips else "")))
+    md = ("\nEach torch.compile mode: the compile rung's step in that mode against the rung before it (eager), side "
+          "by side in their own rounds; the gain is the eager step's time over the compiled one's, round by round, "
+          "with its median's 95% interval. CUDA-graph skips: graphs inductor ran without CUDA graphs (reduce-overhead "
+          "and max-autotune then run as the default mode there).\n\n" + md_table(pd.DataFrame(table)) + "\n")
+    return md, verdicts
 
 
 def _g0_t1(target: str, hw: str, fwd: pd.DataFrame, mem: pd.DataFrame, weights: pd.Series, flops: pd.Series,
