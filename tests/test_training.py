@@ -112,6 +112,9 @@ def test_each_compile_mode_is_timed_against_the_eager_rung(monkeypatch, tmp_path
     assert claims == [f"torch.compile 10-30% more (whole training step, mode {m})" for m in ("default",
                                                                                             "reduce-overhead")]
     assert "| reduce-overhead" in c1.markdown
+    # a guide mode the target did not run is a row that says so, never a silent gap
+    row = next(line for line in c1.markdown.splitlines() if "| max-autotune " in line)
+    assert "not measured: not in this target's compile_modes" in row
 
 
 def test_compile_modes_need_the_compile_rung_and_one_before_it():

@@ -63,6 +63,9 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             *_g1_c1(df)]
 
 
+GUIDE_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # G0-C2's list
+
+
 def _compile_modes(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
     """G0-C1's "torch.compile 10-30% more" in each mode: the compile rung's step in the mode over the eager rung
     before it, side by side in their own rounds."""
@@ -92,6 +95,10 @@ def _compile_modes(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
                 "not measurable here" if target in cpus else judge((r["ci_low"], r["ci_high"]), tuple(band), True, tol),
                 GPU_CLAIM if target in cpus else "the eager rung's step over the compiled one's, round by round"
                 + (f"; {skips:g} CUDA graphs skipped" if skips else "")))
+        for mode in [m for m in GUIDE_COMPILE_MODES if f"compile:{m}" not in set(frame["provider"])]:
+            table.append({"target": target, "mode": mode, "eager step ms": "-", "compiled step ms": "-",
+                          "gain (eager / compiled)": "not measured: not in this target's compile_modes (params.yaml "
+                          "G0-T1 says why)", "CUDA-graph skips": "-"})
     md = ("\nEach torch.compile mode: the compile rung's step in that mode against the rung before it (eager), side "
           "by side in their own rounds; the gain is the eager step's time over the compiled one's, round by round, "
           "with its median's 95% interval. CUDA-graph skips: graphs inductor ran without CUDA graphs (reduce-overhead "
