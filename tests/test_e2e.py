@@ -90,6 +90,10 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     params["G3-T3"]["cpu"].update({"batches": [1], "prompt_len": 16, "new_tokens": 4,
                                    "side_by_side": {"budget_ms": 100, "min_rounds": 3, "max_rounds": 3}})
     params["G3-T1"]["cpu"].update({"seq_len": 128, "sweeps": {"batch": [1, 2], "memory_slots": [16, 32]}})
+    params["G3-T4"]["cpu"].update({"contexts": [64, 256], "eval_contexts": [64], "recall_distances": [48],
+                                   "recall_trials": 2, "train": {**params["G3-T4"]["cpu"]["train"], "batch": 2,
+                                                                 "seq_len": 128, "steps": 4, "warmup": 1,
+                                                                 "log_every": 2, "eval_every": 4, "eval_batches": 1}})
     # the presets stay (the GPU targets' training results depend on them); one card is built again
     (work / "models/g0_small.json").unlink()
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -112,6 +116,7 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
 
     assert "Running stage 'models@g0_small'" in log and "Running stage 'training@h100'" not in log
     assert "Running stage 'train_results@h100'" not in log and "Running stage 'mfu@cpu'" in log
+    assert "Running stage 'memory_bank@cpu'" in log
     assert "Running stage 'checkpointing@h100'" not in log and (work / "models/weights/cpu/dense_small.pt").is_file()
     for name in params["models"]:  # one card per preset (the committed ones, and the one built again)
         card = json.loads((work / f"models/{name}.json").read_text())

@@ -158,3 +158,54 @@ def test_the_card_counts_the_banks_flops_and_memory():
     per_layer = sum(n * (E * 4 + E * 2 + 2 * G * D * 2) + (n + s) * 2 * H * D * 2 + (s // 4) * (E * 4 + E * 2)
                     for n, s in ((0, 8), (2, 8), (4, 4)))
     assert extra == 2 * per_layer
+
+
+@pytest.fixture
+def pytorch_rotary():
+    """The rotary embedding in PyTorch: the fused kernel runs interpreted under the tests' TRITON_INTERPRET, tens of
+    seconds over a decode loop (the kernel has tests of its own)."""
+    from adaattn.kernels.runtime import set_use_triton_kernels
+
+    set_use_triton_kernels(False)
+    yield
+    set_use_triton_kernels(True)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kw", [{}, {"positions": "learned"}, {"positions": "qk_norm_rope", "memory_merge": False}])
+def test_decoding_with_segment_caches_equals_reading_the_whole_prefix(kw, pytorch_rotary):
+    """Prefill across segments (a partial one last), then one token at a time over several segment ends and a full
+    bank (merges or evictions): every step's logits are the whole prefix's last ones, greedy tokens alike; the
+    state stays the same size whatever the context."""
+    from adaattn.models.generate import generate, prefill, setup_kv_cache
+
+    model = _ltm(**kw).eval()
+    full = _ltm(**kw).eval()  # the same weights, without caches: the whole prefix each time
+    seq = _tokens(2, 44, seed=1)
+    setup_kv_cache(model, batch=2)
+    logits = prefill(model, seq[:, :13])
+    torch.testing.assert_close(logits, full(seq[:, :13])[:, -1], atol=1e-5, rtol=1e-5)
+    sizes = []
+    for t in range(13, 44):  # 13..43: segment ends at 16, 24, 32, 40; the bank (6 slots) fills at the second
+        logits = model(seq[:, t:t + 1], input_pos=torch.tensor([t]))[:, -1]
+        torch.testing.assert_close(logits, full(seq[:, :t + 1])[:, -1], atol=1e-5, rtol=1e-5)
+        sizes.append(sum(b.attn.cache.state_bytes() for b in model.blocks))
+    assert len(set(sizes[-12:])) == 1  # once the bank is full the state no longer grows
+    assert model.get_memory_stats()["filled"] == [6, 6]
+    setup_kv_cache(model, batch=2)
+    out = generate(model, seq[:, :13], 20)
+    expect = seq[:, :13]
+    for _ in range(20):  # greedy by recomputing everything
+        expect = torch.cat([expect, full(expect)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, expect)
+
+
+@torch.no_grad()
+def test_ltm_decoding_goes_in_order():
+    from adaattn.models.generate import prefill, setup_kv_cache
+
+    model = _ltm().eval()
+    setup_kv_cache(model, batch=2)
+    prefill(model, _tokens(2, 5))
+    with pytest.raises(ValueError, match="input_pos must continue from the 5 tokens read so far"):
+        model(_tokens(2, 1), input_pos=torch.tensor([7]))

@@ -687,13 +687,12 @@ class AllocatorSection(ByProfile):
     gpu: AllocatorRun | None = None
 
 
-class TrainRun(_Section):
-    """The train stage: each of ``models`` trained from fresh weights for ``steps`` steps of ``batch`` x ``seq_len``
-    byte tokens (vocabulary 256) of Python's standard-library sources, AdamW at ``lr`` with ``warmup`` linear
-    steps then a cosine to a tenth; the training loss every ``log_every`` steps, the validation loss (over
-    ``eval_batches`` fixed windows of the held-out files) every ``eval_every`` and at the end."""
+class TrainSchedule(_Section):
+    """A training run's schedule: ``steps`` steps of ``batch`` x ``seq_len`` byte tokens (vocabulary 256) of
+    Python's standard-library sources, AdamW at ``lr`` with ``warmup`` linear steps then a cosine to a tenth;
+    the training loss every ``log_every`` steps, the validation loss (over ``eval_batches`` fixed windows of the
+    held-out files) every ``eval_every`` and at the end."""
 
-    models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
     batch: PositiveInt
     seq_len: PositiveInt
     steps: PositiveInt
@@ -707,10 +706,56 @@ class TrainRun(_Section):
     seed: NonNegativeInt = 0
 
     @model_validator(mode="after")
-    def _schedule(self) -> "TrainRun":
+    def _schedule(self) -> "TrainSchedule":
         if self.warmup >= self.steps:
             raise ValueError(f"warmup={self.warmup} must be below steps={self.steps}")
         return self
+
+
+class TrainRun(TrainSchedule):
+    """The train stage: each of ``models`` trained from fresh weights on the schedule."""
+
+    models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
+
+
+MEMORY_BANK_ROLES = ("standard", "window", "ltm")
+RECALL_SPAN = 32  # a recall sequence's bytes besides its distance (the key's line, the query), at most
+
+
+class MemoryBankRun(_Section):
+    """G3-T4: a standard decoder, the same with sliding-window attention and the same with an LTM memory bank
+    (``models``: role -> preset). Memory: at each of ``contexts`` tokens (``batch`` sequences, weights in
+    ``dtype``), a forward's peak over the weights (the standard model with SDPA's math backend, the scores in
+    memory, and with its fused ones; the LTM model segment by segment) and the state kept for the next token
+    (the standard model's KV cache, the LTM model's banks). Quality: each model trained on ``train``'s schedule
+    (the same text, batches and steps); its validation loss at each of ``eval_contexts``; and a passkey's recall
+    at each of ``recall_distances`` (``recall_trials`` sequences each)."""
+
+    models: dict[Literal[MEMORY_BANK_ROLES], str]  # type: ignore[valid-type]
+    batch: PositiveInt = 1
+    contexts: Annotated[list[PositiveInt], Field(min_length=1)]
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    train: TrainSchedule
+    eval_contexts: Annotated[list[PositiveInt], Field(min_length=1)]
+    recall_distances: Annotated[list[Annotated[int, Field(ge=RECALL_SPAN)]], Field(min_length=1)]
+    recall_trials: PositiveInt = 16
+    seed: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _roles(self) -> "MemoryBankRun":
+        if set(self.models) != set(MEMORY_BANK_ROLES):
+            raise ValueError(f"models needs one preset for each role ({', '.join(MEMORY_BANK_ROLES)}); got "
+                             f"{', '.join(self.models) or 'none'}")
+        for key in ("contexts", "eval_contexts", "recall_distances"):
+            values = getattr(self, key)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{key} must not repeat a value; got {values}")
+        return self
+
+
+class G3T4Section(ByProfile):
+    cpu: MemoryBankRun
+    gpu: MemoryBankRun
 
 
 class TrainSection(ByProfile):
@@ -754,6 +799,7 @@ class Verdicts(_Section):
     decode_roofline: float = Field(0.80, gt=0, le=1)  # G3-T3: batch-1 decode's bytes / time over the copy bandwidth
     int8_decode_speedup: float = Field(1.7, gt=0)  # G3-T3: INT8 weight-only decode over bf16's, batch 1, compiled
     exponent_tolerance: float = Field(0.15, ge=0)  # G3-T1: a fitted exponent within this fraction of the O()'s
+    ltm_memory_ratio: float = Field(8.0, gt=1)  # G3-T4: the standard model's memory at 32K over the LTM model's
 
 
 class Params(BaseModel):
@@ -781,6 +827,7 @@ class Params(BaseModel):
     allocator: AllocatorSection | None = None
     g3_t3: G3T3Section | None = Field(None, alias="G3-T3")
     g3_t1: G3T1Section | None = Field(None, alias="G3-T1")
+    g3_t4: G3T4Section | None = Field(None, alias="G3-T4")
 
     @model_validator(mode="after")
     def _ladder_models(self) -> Params:
@@ -813,6 +860,10 @@ class Params(BaseModel):
                     raise ValueError(f"G3-T1.{profile}.model {run.model!r} has no memory bank (memory_slots): the study "
                                      "measures an LTM preset")
         for profile in ("cpu", "gpu"):
+            run = getattr(self.g3_t4, profile) if self.g3_t4 else None
+            if run is not None:
+                self._check_memory_bank(profile, run)
+        for profile in ("cpu", "gpu"):
             run = getattr(self.g3_t3, profile) if self.g3_t3 else None
             if run is not None:
                 self._check_preset(f"G3-T3.{profile}", run.model, run.prompt_len + run.new_tokens)
@@ -844,6 +895,28 @@ class Params(BaseModel):
                     raise ValueError(f"G4-C1.{profile}.models: {name!r} has attention "
                                      f"{self.models[name].attention!r}; the study compares 'ccgqa' presets")
         return self
+
+    def _check_memory_bank(self, profile: str, run: MemoryBankRun) -> None:
+        """G3-T4's three presets: each its role's kind of model, and otherwise the same model."""
+        longest = max(run.train.seq_len, *run.contexts, *run.eval_contexts, max(run.recall_distances) + RECALL_SPAN)
+        for role, name in run.models.items():  # an LTM model's positions count within a segment: any length
+            self._check_preset(f"G3-T4.{profile}", name, 0 if role == "ltm" else longest)
+        cfgs = {role: self.models[name] for role, name in run.models.items()}
+        wrong = {"standard": cfgs["standard"].memory_slots is not None or cfgs["standard"].attention_window is not None,
+                 "window": cfgs["window"].attention_window is None,
+                 "ltm": cfgs["ltm"].memory_slots is None}
+        needs = {"standard": "no memory_slots and no attention_window", "window": "an attention_window",
+                 "ltm": "memory_slots (a memory bank)"}
+        for role, bad in wrong.items():
+            if bad:
+                raise ValueError(f"G3-T4.{profile}.models.{role}: {run.models[role]!r} needs {needs[role]}")
+        shared = ("dim", "n_layers", "n_heads", "kv_heads", "hidden", "positions")
+        for role in ("window", "ltm"):
+            differ = [k for k in shared if getattr(cfgs[role], k) != getattr(cfgs["standard"], k)]
+            if differ:
+                raise ValueError(f"G3-T4.{profile}.models.{role}: {run.models[role]!r} differs from the standard "
+                                 f"preset {run.models['standard']!r} in {', '.join(differ)}: the three compare one "
+                                 "model with and without its memory")
 
     def _check_preset(self, where: str, name: str, seq_len: int) -> None:
         if name not in self.models:

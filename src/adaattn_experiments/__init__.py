@@ -8,6 +8,7 @@ from adaattn_experiments.cpu_baseline import STUDY as CPU_BASELINE
 from adaattn_experiments.inference import STUDY as INFERENCE
 from adaattn_experiments.kernels import STUDY as KERNELS
 from adaattn_experiments.memory_analysis import STUDY as MEMORY_ANALYSIS
+from adaattn_experiments.memory_bank import STUDY as MEMORY_BANK
 from adaattn_experiments.mfu import STUDY as MFU
 from adaattn_experiments.precision import STUDY as PRECISION
 from adaattn_experiments.rank import STUDY as RANK
@@ -30,4 +31,5 @@ STUDIES = {
     ALLOCATOR.name: ALLOCATOR,
     INFERENCE.name: INFERENCE,
     MEMORY_ANALYSIS.name: MEMORY_ANALYSIS,
+    MEMORY_BANK.name: MEMORY_BANK,
 }

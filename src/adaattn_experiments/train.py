@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -27,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from adaattn.bench.harness import Case, classify_error
 from adaattn.bench.runner import StudyDef, target_sections
-from adaattn.config import Params, Target, TrainRun
+from adaattn.config import Params, Target, TrainRun, TrainSchedule
 from adaattn.models import ModelConfig
 from adaattn.models.card import flops_per_token, param_counts
 from adaattn.models.data import VOCAB, Corpus, batch, load_corpus
@@ -78,9 +79,12 @@ class Train(StudyDef):
                 torch.cuda.empty_cache()
         return rows
 
-    def _train(self, name: str, preset: ModelConfig, run: TrainRun, corpus: Corpus, out: Path | None) -> list[dict]:
+    def _train(self, name: str, preset: ModelConfig, run: TrainSchedule, corpus: Corpus, out: Path | None,
+               table_id: str = "train", after: Callable[[Trainer], list[dict]] | None = None) -> list[dict]:
+        """One model's run: its rows; ``after`` (the trained model's trainer -> more rows) runs before the model is
+        let go (the memory-bank study evaluates its models there)."""
         B, S = run.batch, run.seq_len
-        base = {"table_id": "train", "case_id": f"train/{name}-b{B}-s{S}", "kernel": "", "model": name,
+        base = {"table_id": table_id, "case_id": f"{table_id}/{name}-b{B}-s{S}", "kernel": "", "model": name,
                 "batch": B, "seq_len": S}
         cfg = ModelConfig(**{**preset.model_dump(), "vocab_size": VOCAB})
         try:
@@ -142,15 +146,17 @@ class Train(StudyDef):
         if timed_steps:
             rows.append({**row, "mode": "step", "metric": "tokens_per_s", "value": B * S * timed_steps / timed_ms * 1e3,
                          "unit": "tokens/s", "samples": timed_steps, "reason": "over the steps after the first row"})
-        if out is None:
-            rows.append({**row, "mode": "step", "step": run.steps, "metric": "weights_mb", "value": None, "unit": "MiB",
-                         "status": "unavailable", "reason": "not kept: a train.results_only target's stage keeps its "
-                         "results only"})
-        else:
+        if after is not None:
+            rows += after(trainer)
+        if out is not None:
             path = out / f"{name}.pt"
             save_checkpoint(path, model, step=run.steps, vocab=VOCAB)
             rows.append({**row, "mode": "step", "step": run.steps, "metric": "weights_mb",
                          "value": path.stat().st_size / 2**20, "unit": "MiB", "reason": f"{path.as_posix()}"})
+        elif table_id == "train":  # the train stage's results-only target: say where the weights went
+            rows.append({**row, "mode": "step", "step": run.steps, "metric": "weights_mb", "value": None, "unit": "MiB",
+                         "status": "unavailable", "reason": "not kept: a train.results_only target's stage keeps its "
+                         "results only"})
         del model, optimizer, trainer
         return rows
 

@@ -1,7 +1,9 @@
 """Autoregressive inference for the zoo's dense decoders: a static KV cache per attention layer (gpt-fast's
 pattern: preallocated (B, G, max, D) buffers written in place at the tokens' positions, so a decode step has
 the same shapes at every position and compiles to one graph, which ``reduce-overhead`` can replay as a CUDA
-graph), prefill, one-token decode and greedy or sampled generation.
+graph), prefill, one-token decode and greedy or sampled generation. An LTM model (``memory_slots``) decodes
+with a ``models.ltm.SegmentCache`` per layer instead: the current segment's keys and values and the bank, a
+state of constant size whatever the context (eager: its bank changes size a segment at a time).
 
 Shapes: B batch, S new tokens, G kv heads, D head dim, M the cache's length (``max_seq_len``).
 """
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from adaattn.models.config import ModelConfig
+from adaattn.models.ltm import SegmentCache
 
 
 class KVCache(nn.Module):
@@ -25,10 +28,9 @@ class KVCache(nn.Module):
         shape = (batch, kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        causal = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device).tril_()
-        if window is not None:  # a sliding window's band (the cache still holds every position)
-            causal = causal.triu_(1 - window)
-        self.register_buffer("causal", causal, persistent=False)
+        # the mask's rows are made per call from the positions: an (M, M) table would be a GiB a layer at 32K
+        self.window = window
+        self.register_buffer("slots", torch.arange(max_seq_len, device=device), persistent=False)
 
     def update(self, pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, G, S, D) at positions ``pos`` (S,); return the whole cache (B, G, M, D) x 2."""
@@ -36,9 +38,17 @@ class KVCache(nn.Module):
         self.v.index_copy_(2, pos, v.to(self.v.dtype))
         return self.k, self.v
 
+    def state_bytes(self) -> int:
+        """The bytes this layer keeps between tokens: its keys and values."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
     def mask(self, pos: Tensor) -> Tensor:
-        """(S, M) bool: the query at position p sees the cache's positions 0..p (later ones are zeros or stale)."""
-        return self.causal[pos]
+        """(S, M) bool: the query at position p sees the cache's positions 0..p (later ones are zeros or stale),
+        with a sliding window only the last ``window`` of them."""
+        seen = self.slots[None, :] <= pos[:, None]
+        if self.window is not None:
+            seen &= self.slots[None, :] > pos[:, None] - self.window
+        return seen
 
 
 def _attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -48,15 +58,13 @@ def _attention_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def check_decodable(cfg: ModelConfig) -> None:
-    """KV-cache decoding runs a dense causal decoder with SDPA attention; anything else is named here."""
+    """KV-cache decoding runs a dense causal decoder with SDPA attention (an LTM one too); anything else is named
+    here."""
     if cfg.kind != "decoder":
         raise ValueError(f"kind={cfg.kind!r}: KV-cache decoding needs kind 'decoder' (causal)")
     if cfg.attention != "sdpa":
         raise ValueError(f"attention={cfg.attention!r}: KV-cache decoding supports attention 'sdpa' (ccgqa's "
                          "convolutions and routing need their own decode state)")
-    if cfg.memory_slots is not None:
-        raise ValueError("memory_slots: an LTM model reads its sequence segment by segment (forward with memory=); "
-                         "its KV-cache decoding is not built")
     if cfg.routed:
         raise ValueError("recursions / mod_capacity: KV-cache decoding supports dense models (routing picks "
                          "tokens from the whole sequence)")
@@ -78,8 +86,12 @@ def setup_kv_cache(model: nn.Module, batch: int, max_seq_len: int | None = None,
     if model.rope is not None:
         model.rope.ensure(M)  # before any compilation: the cache does not grow inside a graph
     for layer in _attention_layers(model):
-        layer.cache = KVCache(batch, cfg.kv_heads, M, cfg.head_dim, dtype or weight.dtype, weight.device,
-                              cfg.attention_window)
+        if cfg.memory_slots is not None:  # LTM: a segment's cache and the bank, whatever max_seq_len
+            layer.cache = SegmentCache(batch, cfg.kv_heads, cfg.segment_len, cfg.head_dim, cfg.dim,
+                                       dtype or weight.dtype, weight.device)
+        else:
+            layer.cache = KVCache(batch, cfg.kv_heads, M, cfg.head_dim, dtype or weight.dtype, weight.device,
+                                  cfg.attention_window)
 
 
 def clear_kv_cache(model: nn.Module) -> None:
@@ -120,7 +132,7 @@ def generate(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: flo
     if cache is None:
         raise ValueError("no KV cache: call setup_kv_cache(model, batch, max_seq_len) first")
     B, P = prompt.shape
-    if B != cache.k.shape[0] or P + new_tokens > cache.k.shape[2]:
+    if B != cache.k.shape[0] or (isinstance(cache, KVCache) and P + new_tokens > cache.k.shape[2]):
         raise ValueError(f"prompt (B={B}, P={P}) + {new_tokens} new tokens does not fit the cache "
                          f"(batch {cache.k.shape[0]}, max_seq_len {cache.k.shape[2]})")
     out = [prompt]

@@ -79,3 +79,41 @@ def segment_mask(n_slots: int, S: int, device) -> Tensor:
     """(S, N + S) bool: every slot, then the segment causally."""
     causal = torch.ones(S, S, dtype=torch.bool, device=device).tril_()
     return torch.cat([torch.ones(S, n_slots, dtype=torch.bool, device=device), causal], dim=1)
+
+
+class SegmentCache(nn.Module):
+    """An LTM layer's decoding state, of constant size whatever the context: the current segment's keys and
+    values (B, G, S, D) each and the layer's inputs for it (B, S, E, what the compressor writes to the bank once
+    the segment is complete), and the bank of past segments (B, N, E) with its keys and values (B, G, N, D),
+    computed once a segment, when the bank changes. ``seen``: the tokens read so far (decoding goes in order)."""
+
+    def __init__(self, batch: int, kv_heads: int, segment_len: int, head_dim: int, dim: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(batch, kv_heads, segment_len, head_dim, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("v", torch.zeros_like(self.k), persistent=False)
+        self.register_buffer("inputs", torch.zeros(batch, segment_len, dim, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("causal", torch.ones(segment_len, segment_len, dtype=torch.bool,
+                                                  device=device).tril_(), persistent=False)
+        self.bank = torch.zeros(batch, 0, dim, dtype=dtype, device=device)
+        self.bank_kv: tuple[Tensor, Tensor] | None = None
+        self.seen = 0
+
+    def update(self, offsets: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Write k, v (B, G, n, D) at the segment's ``offsets`` (n,); the keys and values to attend, the bank's then
+        the segment's, and the (n, N + S) mask: every slot, the segment causally."""
+        self.k.index_copy_(2, offsets, k.to(self.k.dtype))
+        self.v.index_copy_(2, offsets, v.to(self.v.dtype))
+        mask = self.causal[offsets]
+        if self.bank_kv is None:
+            return self.k, self.v, mask
+        km, vm = self.bank_kv
+        slots = torch.ones(mask.shape[0], km.shape[2], dtype=torch.bool, device=mask.device)
+        return torch.cat([km, self.k], dim=2), torch.cat([vm, self.v], dim=2), torch.cat([slots, mask], dim=1)
+
+    def state_bytes(self) -> int:
+        """The bytes this layer keeps between tokens."""
+        held = [self.k, self.v, self.inputs, self.bank, *(self.bank_kv or ())]
+        return sum(t.numel() * t.element_size() for t in held)

@@ -17,7 +17,7 @@ from adaattn.attention.ada import AdaAttention
 from adaattn.layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP, flexible_attention
 from adaattn.models.config import ModelConfig
 from adaattn.models.generate import KVCache
-from adaattn.models.ltm import Compressor, empty_banks, memory_kv, memory_stats, segment_mask, write
+from adaattn.models.ltm import Compressor, SegmentCache, empty_banks, memory_kv, memory_stats, segment_mask, write
 from adaattn.models.hydra import CCGQAttention, Router, capacity, gather, rotate_at, routed, scatter
 
 
@@ -94,15 +94,16 @@ class Attention(nn.Module):
             q, k = self.rope.with_qk_norm(q, k, self.q_norm, self.k_norm, self.cfg.norm_eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H or G, S, D)
         causal = self.cfg.causal
-        if self.cache is not None:  # the new tokens against every cached position up to theirs
+        if isinstance(self.cache, SegmentCache):  # LTM decoding: the bank's slots, then the segment so far
+            k, v, mask = self.cache.update(pos[0], k, v)
+            out = masked_attention(q, k, v, mask)
+        elif self.cache is not None:  # the new tokens against every cached position up to theirs
             if pos is None:
                 raise ValueError("a layer with a KV cache needs the tokens' positions (Transformer input_pos)")
             k, v = self.cache.update(pos[0], k, v)  # (B, G, M, D)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.cache.mask(pos[0]), enable_gqa=G != H)
         elif memory is not None:  # the bank's slots, then the segment causally
-            km, vm = memory_kv(memory, self.qkv.weight, self.qkv.bias, H, G, D)
-            if self.cfg.positions == "qk_norm_rope":  # the slots' keys normalised as the segment's are
-                km = F.rms_norm(km, (D,), self.k_norm, self.cfg.norm_eps)
+            km, vm = self.memory_kv(memory)
             k, v = torch.cat([km, k], dim=2), torch.cat([vm, v], dim=2)
             out = masked_attention(q, k, v, segment_mask(km.shape[2], S, x.device))
         elif self.cfg.attention_window is not None:  # causal within the window: a band mask
@@ -114,6 +115,15 @@ class Attention(nn.Module):
         else:
             out = naive_attention(q, k, v, causal)
         return self.out(out.transpose(1, 2).reshape(B, S, H * D))
+
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """An LTM bank's slots (B, N, E), normalised, as keys and values (B, G, N, D): no positions (they are past)."""
+        H, G, D = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
+        km, vm = memory_kv(memory, self.qkv.weight, self.qkv.bias, H, G, D)
+        if self.cfg.positions == "qk_norm_rope":  # the slots' keys normalised as the segment's are
+            km = F.rms_norm(km, (D,), self.k_norm, self.cfg.norm_eps)
+        return km, vm
 
 
 class AdaSelfAttention(nn.Module):
@@ -282,6 +292,8 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         B, S = tokens.shape
         if getattr(self.blocks[0].attn, "cache", None) is None:
             raise ValueError("input_pos decodes with KV caches: call generate.setup_kv_cache(model, batch) first")
+        if self.cfg.memory_slots is not None:
+            return self._decode_segments(tokens, input_pos)
         x = self.embed(tokens)
         if self.pos is not None:
             x = x + self.pos(input_pos)
@@ -289,6 +301,39 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         for block in self.blocks:
             x = block(x, pos)
         return self.head(self.norm(x))
+
+    def _decode_segments(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
+        """LTM decoding, the same function as ``_segments`` over the whole prefix: the tokens in chunks that stay
+        within a segment, each layer attending over its bank and its segment cache; once a segment is complete,
+        every layer's inputs for it are compressed into its bank. In order only: ``input_pos`` must continue from
+        the tokens read so far (the bank holds their past). Eager: the bank's size changes a segment at a time."""
+        cfg, B, S = self.cfg, *tokens.shape
+        caches: list[SegmentCache] = [block.attn.cache for block in self.blocks]
+        first = int(input_pos[0])
+        if first != caches[0].seen or not torch.equal(input_pos.cpu(), torch.arange(first, first + S)):
+            raise ValueError(f"input_pos must continue from the {caches[0].seen} tokens read so far, one after "
+                             f"another; got {input_pos.tolist()[:4]}...")
+        outs, start = [], 0
+        while start < S:
+            offset = (first + start) % cfg.segment_len
+            n = min(S - start, cfg.segment_len - offset)
+            offsets = torch.arange(offset, offset + n, device=tokens.device)
+            x = self.embed(tokens[:, start:start + n])
+            if self.pos is not None:  # positions count within the segment
+                x = x + self.pos(offsets)
+            for block, cache in zip(self.blocks, caches):
+                cache.inputs[:, offset:offset + n] = x.to(cache.inputs.dtype)
+                x = block(x, offsets.expand(B, n))
+            outs.append(self.head(self.norm(x)))
+            for i, (block, cache) in enumerate(zip(self.blocks, caches)):
+                cache.seen += n
+                if offset + n == cfg.segment_len:  # the segment is complete: into the bank
+                    cache.bank = write(cache.bank, self.compressors[i](cache.inputs), self.memory_capacity,
+                                       cfg.memory_merge)
+                    cache.bank_kv = block.attn.memory_kv(block.norm1(cache.bank))
+            start += n
+        self.last_memory = [c.bank for c in caches]
+        return torch.cat(outs, dim=1)
 
     def _routed(self, x: Tensor, aux: list[Tensor]) -> Tensor:
         B, S, _ = x.shape

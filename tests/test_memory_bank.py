@@ -1,0 +1,128 @@
+"""The memory-bank study (G3-T4) on the CPU at toy size: memory by context for the standard and LTM models, the
+three presets trained alike and evaluated (loss by context, passkey recall by distance), the report's table and
+verdicts; the passkey task's layout; bad configs named before any work."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from adaattn.config import ConfigError, load_raw, validate
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+# PyTorch's MLP and norm: the zoo's kernels run interpreted under the tests' TRITON_INTERPRET
+SMALL = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "vocab_size": 64, "mlp": "gelu", "norm": "layernorm"}
+TOY = {"models": {"standard": "ltm_small_dense", "window": "ltm_small_window", "ltm": "ltm_small"}, "batch": 1,
+       "contexts": [64, 256], "dtype": "fp32",
+       "train": {"batch": 2, "seq_len": 64, "steps": 4, "lr": 0.002, "warmup": 1, "log_every": 2, "eval_every": 4,
+                 "eval_batches": 1, "dtype": "fp32"},
+       "eval_contexts": [32, 128], "recall_distances": [32, 96], "recall_trials": 2}
+
+
+def _raw(update=None, presets=None):
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["models"]["ltm_small"].update({**SMALL, "segment_len": 16, "memory_slots": 8, "memory_compression": 4})
+    raw["models"]["ltm_small_dense"].update({**SMALL, "max_seq_len": 256})
+    raw["models"]["ltm_small_window"].update({**SMALL, "max_seq_len": 256, "attention_window": 16})
+    for name, change in (presets or {}).items():
+        raw["models"][name].update(change)
+    raw["G3-T4"]["cpu"] = {**TOY, **(update or {})}
+    return raw
+
+
+def test_a_passkey_sits_its_distance_before_the_query():
+    from adaattn_experiments.memory_bank import DIGITS, KEY, passkey_sequence
+
+    val = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 20), dtype=torch.uint8)
+    for distance in (32, 33, 100):
+        seq, at = passkey_sequence(val, distance, torch.Generator().manual_seed(distance))
+        first = len(KEY)
+        assert at - first == distance and seq.numel() == at + DIGITS
+        assert bytes(seq[:first].tolist()) == KEY and bytes(seq[at - len(KEY):at].tolist()) == KEY
+        assert torch.equal(seq[first:first + DIGITS], seq[at:])  # the same digits
+        assert all(chr(c).isdigit() for c in seq[at:].tolist())
+    with pytest.raises(ValueError, match="distance=10 is under a passkey line's"):
+        passkey_sequence(val, 10, torch.Generator())
+
+
+@pytest.mark.parametrize("update, presets, message", [
+    ({"models": {"standard": "ltm_small_dense", "ltm": "ltm_small"}}, None, "one preset for each role"),
+    ({"models": {"standard": "ltm_small", "window": "ltm_small_window", "ltm": "ltm_small"}}, None,
+     "models.standard: 'ltm_small' needs no memory_slots and no attention_window"),
+    ({"models": {"standard": "ltm_small_dense", "window": "ltm_small_dense", "ltm": "ltm_small"}}, None,
+     "models.window: 'ltm_small_dense' needs an attention_window"),
+    (None, {"ltm_small_window": {"n_layers": 3}}, "differs from the standard preset 'ltm_small_dense' in n_layers"),
+    ({"contexts": [64, 64]}, None, "contexts must not repeat a value"),
+    ({"recall_distances": [8]}, None, "recall_distances"),
+    ({"contexts": [512]}, None, "G3-T4.cpu.seq_len=512 is over models.ltm_small_dense.max_seq_len"),
+    ({"models": {"standard": "nope", "window": "ltm_small_window", "ltm": "ltm_small"}}, None,
+     "'nope' is not a preset of models"),
+])
+def test_bad_configs_are_named(update, presets, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(_raw(update, presets))
+
+
+def test_memory_by_context_and_the_trained_models_quality(tmp_path):
+    from adaattn_experiments.memory_bank import STUDY
+    from adaattn_experiments.memory_bank_report import memory_table, render
+
+    params = validate(_raw())
+    rows = STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    df = pd.DataFrame([{"target": "cpu", "hardware": "test cpu", "cuda": None, **r} for r in rows])
+    assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["case_id", "metric", "reason"]]
+    mem = memory_table(df).set_index("context")
+    assert list(mem.index) == [64, 256]
+    # the standard model's cache grows with the context; the LTM decoder's state stops growing once its banks are
+    # full (four segments of 16 write 16 slots into 8): per layer a segment's k and v (1 kv head of 16) and inputs
+    # (16 x 32), the bank (8 x 32) and its k and v, fp32
+    assert mem.loc[256, "kv_cache"] == pytest.approx(4 * mem.loc[64, "kv_cache"])
+    per_layer = (2 * 16 * 16 + 16 * 32 + 8 * 32 + 2 * 8 * 16) * 4
+    assert mem.loc[64, "segment_cache"] == mem.loc[256, "segment_cache"] == pytest.approx(2 * per_layer / 2**20)
+    # the math backend keeps the scores: above the fused backend at the longer context
+    assert mem.loc[256, "math"] > mem.loc[256, "fused"]
+    for role in ("standard", "window", "ltm"):
+        one = df[df["role"] == role]
+        assert sorted(one.loc[one.metric == "val_loss", "context"].dropna()) == [32, 128]
+        recall = one[one.metric == "recall_accuracy"]
+        assert sorted(recall["distance"]) == [32, 96] and recall["value"].between(0, 1).all()
+        assert (one.metric == "train_loss").sum() == 2 and (one.metric == "tokens_per_s").sum() == 1
+    int8 = df[df.metric == "val_loss_int8"]
+    assert set(int8.role) == {"standard"} and sorted(int8.context) == [32, 128]
+    plain = df[(df.metric == "val_loss") & (df.role == "standard")].set_index("context")["value"]
+    # the same windows, weights rounded to int8 steps: close to the trained model's loss, not equal
+    for r in int8.itertuples():
+        assert r.value != plain[r.context] and abs(r.value - plain[r.context]) < 0.05
+    assert "weights_mb" not in set(df.metric)  # another study's training keeps no weights
+    (section,) = render(df, tmp_path)
+    assert "| cpu " in section.markdown and "recall @96" in section.markdown
+    (goal,) = [v for v in section.verdicts if "32K" in v.claim]
+    assert goal.verdict == "not measurable here" and "this run's longest is 256" in goal.reason
+    assert (tmp_path / "g3_t4_memory.png").exists() and (tmp_path / "g3_t4_recall.png").exists()
+
+
+def test_the_goal_is_judged_at_32k_on_a_gpu(tmp_path):
+    """The report alone, on rows as a GPU run writes them: the guide's contexts judged, the goal at 32K."""
+    from adaattn_experiments.memory_bank_report import render
+
+    def row(context, provider, metric, value, status="ok"):
+        return {"target": "h100", "hardware": "test gpu", "cuda": "13.0", "case_id": f"G3-T4/memory-{context}",
+                "context": context, "provider": provider, "metric": metric, "value": value, "status": status,
+                "role": "ltm" if provider in ("ltm", "segment_cache") else "standard", "model": "m"}
+
+    rows = []
+    for context, math_mb, fused_mb, cache_mb, ltm_mb in ((2048, 900, 300, 100, 200), (32768, None, 2000, 1600, 300)):
+        rows += [row(context, "math", "peak_mb", math_mb, "ok" if math_mb else "oom"),
+                 row(context, "fused", "peak_mb", fused_mb), row(context, "kv_cache", "state_mb", cache_mb),
+                 row(context, "ltm", "peak_mb", ltm_mb), row(context, "segment_cache", "state_mb", 10)]
+    (section,) = render(pd.DataFrame(rows), tmp_path)
+    verdicts = {v.claim: v for v in section.verdicts}
+    at_2k = verdicts["at 2K context the LTM model needs 2x less memory than standard attention"]
+    assert at_2k.measured == "4.8x" and at_2k.verdict == "better than claimed"  # (900 + 100) / (200 + 10)
+    goal = verdicts["the LTM model's memory at 32K context at most 1/8 of the standard model's"]
+    assert goal.measured == "11.6x at 32768 tokens" and goal.verdict == "holds"  # (2000 + 1600) / (300 + 10)
+    assert "oom" in section.markdown  # the math backend's 32K: a status, not a gap
