@@ -86,6 +86,40 @@ def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path)
     assert "| compiled_int8" in section.markdown
 
 
+def test_the_torchao_peer_that_cannot_run_is_a_row_that_says_why(monkeypatch):
+    from adaattn_experiments import inference
+
+    monkeypatch.setattr(inference, "torchao_missing", lambda: "torchao.quantization not importable: test")
+    params = _params({"batches": [1], "configs": ["flash", "compiled_torchao_int8"]})
+    df = pd.DataFrame(inference.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
+    peer = df[df.provider == "compiled_torchao_int8"]
+    assert sorted(peer.phase) == ["decode", "prefill"] and (peer.status == "unavailable").all()
+    assert peer.reason.str.contains("not importable: test").all()
+    assert (df[df.provider == "flash"].status == "ok").all()  # the others run
+
+
+def test_a_wrapper_subclass_counts_its_inner_tensors():
+    from adaattn_experiments.inference import nbytes
+
+    class Packed(torch.Tensor):  # int8 data and a scale a row, shown as the bf16 matrix they stand for
+        @staticmethod
+        def __new__(cls, data, scale):
+            return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.bfloat16)
+
+        def __init__(self, data, scale):
+            self.data_, self.scale = data, scale
+
+        def __tensor_flatten__(self):
+            return ["data_", "scale"], None
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
+
+    packed = Packed(torch.zeros(8, 16, dtype=torch.int8), torch.ones(8, dtype=torch.bfloat16))
+    assert nbytes(packed) == 8 * 16 + 8 * 2 and nbytes(torch.zeros(8, 16, dtype=torch.bfloat16)) == 8 * 16 * 2
+
+
 @pytest.mark.parametrize("update, message", [
     ({"model": "hydra_small"}, "G3-T3.cpu.model 'hydra_small': attention='ccgqa': KV-cache decoding supports"),
     ({"model": "llama_9b"}, "G3-T3.cpu.models: 'llama_9b' is not a preset of models"),

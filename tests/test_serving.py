@@ -55,3 +55,32 @@ def test_the_tracker_counts_tokens_over_time():
         t.update(200)
     assert t.tokens == 400 and t.tokens_per_s == pytest.approx(100.0)
 
+
+
+@torch.no_grad()
+def test_the_batch_processor_serves_each_prompt_as_generate_would_alone():
+    """Prompts of two lengths, more than a batch of one length: grouped by length, at most max_batch a batch, and
+    every sequence the one greedy generation gives that prompt by itself, in the order given."""
+    from adaattn.models import ModelConfig, Transformer
+    from adaattn.models.generate import clear_kv_cache, generate, setup_kv_cache
+    from adaattn.models.serving import BatchProcessor
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2, max_seq_len=32, mlp="gelu",
+                                    norm="layernorm", positions="learned")).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 50, (n,), generator=g) for n in (5, 7, 5, 5, 7)]
+    serve = BatchProcessor(model, max_batch=2, new_tokens=4, show=False)
+    assert serve.batches(prompts) == [[1, 4], [0, 2], [3]]  # the longest first
+    out = serve.run(prompts)
+    for prompt, seq in zip(prompts, out):
+        setup_kv_cache(model, 1, prompt.numel() + 4)
+        alone = generate(model, prompt[None], 4)[0]
+        clear_kv_cache(model)
+        assert torch.equal(seq, alone)
+    assert [(s["batch"], s["prompt_len"]) for s in serve.stats] == [(2, 7), (2, 5), (1, 5)]
+    assert all(s["tokens_per_s"] > 0 and s["peak_mb"] is None for s in serve.stats)  # no allocator on a CPU
+    with pytest.raises(ValueError, match="prompt 0: a non-empty 1-D tensor"):
+        serve.batches([torch.zeros(2, 3, dtype=torch.long)])
+    with pytest.raises(ValueError, match="max_batch=0"):
+        BatchProcessor(model, max_batch=0, new_tokens=4)

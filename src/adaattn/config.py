@@ -616,14 +616,15 @@ class G3T1Section(ByProfile):
     gpu: MemorySweep
 
 
-INFERENCE_CONFIGS = ("base", "flash", "int8", "compiled", "compiled_int8", "no_cache")
+INFERENCE_CONFIGS = ("base", "flash", "int8", "compiled", "compiled_int8", "compiled_torchao_int8", "no_cache")
 
 
 class InferenceSweep(_Section):
     """G3-T3 and issue 48's decode goals: a dense decoder's prefill and decode in each of ``configs`` at each of
     ``batches``, side by side per batch: ``base`` (eager, SDPA's math backend: the scores materialised),
     ``flash`` (SDPA's fused backends), ``int8`` (flash with INT8 weight-only linears), ``compiled`` (flash, the
-    decode step compiled with CUDA graphs), ``compiled_int8`` (the same over INT8 weights) and ``no_cache``
+    decode step compiled with CUDA graphs), ``compiled_int8`` (the same over INT8 weights),
+    ``compiled_torchao_int8`` (the same over torchao's ``Int8WeightOnlyConfig``: the peer) and ``no_cache``
     (flash without the KV cache: each new token runs the whole prefix again). ``prompt_len`` tokens of prompt;
     the cache holds ``prompt_len + new_tokens``; weights in ``dtype``."""
 

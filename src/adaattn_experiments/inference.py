@@ -1,6 +1,6 @@
 """The inference study (G3-T3, issue 48's decode goals): a dense decoder's prefill and decode step in each config,
 side by side per batch size, every config from the same weights (``config.InferenceSweep``: base, flash, int8,
-compiled, compiled_int8, no_cache).
+compiled, compiled_int8, compiled_torchao_int8, no_cache).
 
 Per batch: the prompt's prefill (``models.generate.prefill``) side by side across the configs with a cache; one
 decode step (``decode_one`` at the position after the prompt, the cache as long as prompt and new tokens) side by
@@ -34,7 +34,25 @@ from adaattn.models.train import DTYPES
 from adaattn.report.common import Section
 
 INT8 = {"int8", "compiled_int8"}
-COMPILED = {"compiled", "compiled_int8"}
+TORCHAO = {"compiled_torchao_int8"}
+COMPILED = {"compiled", "compiled_int8", *TORCHAO}
+
+
+def torchao_missing() -> str | None:
+    """Why torchao's INT8 weight-only config cannot run here (None: it can)."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure is the row's reason
+        return f"torchao.quantization not importable: {type(err).__name__}: {err}"[:300]
+    return None
+
+
+def nbytes(t: Tensor) -> int:
+    """A tensor's bytes; a wrapper subclass's (torchao's quantized weights) are its inner tensors'."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -49,7 +67,7 @@ def weight_bytes(model: nn.Module) -> int:
         seen.add(id(t))
         if id(t) in lookup and not (tied and t is model.head.weight):
             continue
-        total += t.numel() * t.element_size()
+        total += nbytes(t)
     return total
 
 
@@ -81,11 +99,17 @@ class Inference(StudyDef):
         cfg = params.models[sweep.model]
         torch.manual_seed(sweep.seed)
         initial = build_model(cfg).state_dict()
-        models = {c: self._model(cfg, c, initial, sweep) for c in sweep.configs}
+        missing = {c: why for c in sweep.configs if c in TORCHAO and (why := torchao_missing())}
+        models = {c: self._model(cfg, c, initial, sweep) for c in sweep.configs if c not in missing}
         del initial
         rows: list[dict] = []
         for batch in sweep.batches:
             rows += self._batch_rows(cfg, models, batch, sweep)
+            for c, why in missing.items():  # the peer that cannot run here: a row that says why
+                rows += [{"table_id": "G3-T3", "case_id": f"G3-T3/{sweep.model}-b{batch}-p{sweep.prompt_len}/{phase}",
+                          "kernel": "", "model": sweep.model, "batch": batch, "seq_len": sweep.prompt_len,
+                          "phase": phase, "provider": c, "mode": "fwd", "metric": "side_by_side_ms", "value": None,
+                          "unit": "ms", "status": "unavailable", "reason": why} for phase in ("prefill", "decode")]
             torch._dynamo.reset()  # a fresh cache per batch: the compiled decode's graphs are per shape
         return rows
 
@@ -93,6 +117,13 @@ class Inference(StudyDef):
         model = build_model(cfg)
         model.load_state_dict(initial)
         model = model.to(device=self.device, dtype=DTYPES[sweep.dtype]).eval().requires_grad_(False)
+        if config in TORCHAO:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+            # the linears ours quantizes: every one but the LM head (tied to the embedding's table)
+            quantize_(model, Int8WeightOnlyConfig(),
+                      filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "head")
+            return model
         return quantize_int8_weight_only(model) if config in INT8 else model
 
     def _batch_rows(self, cfg: ModelConfig, models: dict[str, nn.Module], B: int, sweep: InferenceSweep) -> list[dict]:
@@ -102,7 +133,8 @@ class Inference(StudyDef):
         prompt = tokens[:, :P]
         common = {"table_id": "G3-T3", "kernel": "", "model": sweep.model, "batch": B, "seq_len": P}
         case = f"G3-T3/{sweep.model}-b{B}-p{P}"
-        cached = [c for c in sweep.configs if c != "no_cache"]
+        configs = list(models)  # the sweep's, less any that cannot run here
+        cached = [c for c in configs if c != "no_cache"]
         for c in cached:
             setup_kv_cache(models[c], B, P + N, dtype=DTYPES[sweep.dtype])
         token, pos = tokens[:, P:P + 1], torch.tensor([P], device=self.device)
@@ -123,12 +155,12 @@ class Inference(StudyDef):
             rows = side_by_side_rows([(pre, "fwd", {c: functools.partial(prefill_work, c) for c in cached})],
                                      self.device, keep=cached, rounds=sweep.side_by_side, seed=sweep.seed)
             dec = {**common, "case_id": f"{case}/decode", "phase": "decode"}
-            paired = "compiled" if "compiled" in sweep.configs else None
-            rows += side_by_side_rows([(dec, "fwd", {c: functools.partial(decode_work, c) for c in sweep.configs})],
-                                      self.device, keep=list(sweep.configs), rounds=sweep.side_by_side,
+            paired = "compiled" if "compiled" in configs else None
+            rows += side_by_side_rows([(dec, "fwd", {c: functools.partial(decode_work, c) for c in configs})],
+                                      self.device, keep=configs, rounds=sweep.side_by_side,
                                       seed=sweep.seed, paired=paired)
             gen = {**common, "case_id": f"{case}/generate", "phase": "generate"}
-            for c in sweep.configs:
+            for c in configs:
                 rows.append(peak_row({**gen, "provider": c, "mode": "fwd", "metric": "peak_mem_mb"},
                                      functools.partial(self._generate, c, models[c], decoders.get(c), tokens, P),
                                      self.device, 0, f"a prefill and {N} decode steps, over the weights and caches "

@@ -41,7 +41,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     md = ("A dense decoder's prefill and decode step in each config, side by side per batch from the same weights "
           "(`inference.py`): `base` eager with SDPA's math backend (the scores materialised), `flash` SDPA's fused "
           "backends, `int8` flash over INT8 weight-only linears, `compiled` the decode step compiled with CUDA "
-          "graphs (reduce-overhead; prefill eager), `compiled_int8` the same over INT8 weights, `no_cache` flash "
+          "graphs (reduce-overhead; prefill eager), `compiled_int8` the same over our INT8 weights, "
+          "`compiled_torchao_int8` the same over torchao's `Int8WeightOnlyConfig` (the peer), `no_cache` flash "
           "without the KV cache (each token runs the whole prefix again). Decode: one step after the prompt, the "
           "static cache as long as prompt and new tokens. GB read / step: the weights and the whole cache (the "
           "masked attention reads all of it); GB/s over the copy bandwidth measured at the start of the same run "
@@ -92,5 +93,6 @@ def _verdicts(target: str, ok: pd.DataFrame, copy: float | None, ratios: pd.Data
                            ratio_text(r), hw, "not measurable here" if cpu else
                            judge((r["ci_low"], r["ci_high"]), (goal, None), True),
                            "compiled bf16's step time over compiled INT8's, round by round; the weights are "
-                           "untrained, so the change in validation loss is not stated here"))
+                           "untrained here: INT8's change in validation loss on trained weights is in the "
+                           "memory_bank report (G3-T4, its standard model)"))
     return out

@@ -50,7 +50,7 @@ DIGITS = 5
 
 class MemoryBank(StudyDef):
     name = "memory_bank"
-    table_ids = ("G3-T4",)
+    table_ids = ("G3-T4", "G3-C1")
     config_columns = ["model", "role", "batch", "seq_len", "context", "distance", "step"]
 
     def __init__(self, device: str = "cpu"):
@@ -79,7 +79,8 @@ class MemoryBank(StudyDef):
         for role, name in run.models.items():
             cfg = ModelConfig(**{**params.models[name].model_dump(), "vocab_size": VOCAB})
             evaluate = functools.partial(self._quality, run, role, name, corpus.val)
-            trained = Train(self.device)._train(name, cfg, run.train, corpus, None, table_id="G3-T4", after=evaluate)
+            trained = Train(self.device).train_model(name, cfg, run.train, corpus, None, table_id="G3-T4",
+                                                     after=evaluate)
             rows += [{"role": role, **r} for r in trained]
             if self.device == "cuda":
                 torch.cuda.empty_cache()
@@ -181,7 +182,8 @@ class MemoryBank(StudyDef):
                 rows.append({**base, "case_id": f"G3-T4/val-{context}", "context": context, "mode": "eval",
                              "metric": metric, "value": sum(losses) / len(losses), "unit": "nats",
                              "samples": batches, "reason": f"mean next-byte loss over {batches} held-out windows of "
-                             f"{context} bytes" + (", INT8 weight-only linears (models.quant)" if model is int8 else "")})
+                             f"{context} bytes"
+                             + (", INT8 weight-only linears (models.quant)" if model is int8 else "")})
         recall = torch.Generator().manual_seed(run.seed + 3)
         for distance in run.recall_distances:
             hits = [self._recall(trainer, val, distance, recall) for _ in range(run.recall_trials)]

@@ -20,12 +20,50 @@ def guide_context(context: int) -> str | None:
     return key if key in guide_figures()["G3-T4"]["figures"] else None
 
 
+# G3-C1's components: (the guide's name, where it is built, what checks it, what measures it); None: not built
+COMPONENTS = [
+    ("memory bank: adaptive compression, slot management (get_memory_stats, reduce_memory_slots)",
+     "models/ltm.py, Transformer", "tests/test_ltm.py", "memory_bank (G3-T4), memory_analysis (G3-T1)"),
+    ("gradient checkpointing granularity (full, selective, every k)", "layers (GradientCheckpointMixin)",
+     "tests/test_checkpointing.py", "checkpointing (G4-T3), memory_analysis (G3-T1)"),
+    ("GradScaler mixed precision (fp16)", "models/train.py, Trainer", "tests/test_train.py", None),
+    ("INT8 engine (weight-only)", "models/quant.py", "tests/test_quant.py",
+     "inference (G3-T3); its loss change: memory_bank (G3-T4)"),
+    ("KV cache (static, and the LTM decoder's segment caches)", "models/generate.py, models/ltm.py",
+     "tests/test_generate.py, tests/test_ltm.py", "inference (G3-T3), memory_bank (G3-T4)"),
+    ("batch processor", "models/serving.py, BatchProcessor", "tests/test_serving.py", None),
+    ("find_optimal_batch_size", "models/serving.py", "tests/test_serving.py", None),
+    ("memory monitor", "BatchProcessor.stats (a GPU's peak a batch), bench/memory.py (any device)",
+     "tests/test_serving.py", "every study's peak-memory rows"),
+    ("throughput tracker (live progress)", "models/serving.py, ThroughputTracker", "tests/test_serving.py", None),
+]
+PARALLEL = "DDP / tensor / pipeline parallelism"
+
+
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     ok = df[(df["case_id"] != "machine")]
     memory_md, verdicts = _memory(ok)
     quality_md = _quality(ok)
     md = memory_md + quality_md + _figures(ok, out_dir)
-    return [Section("G3-T4", "Memory Bank Performance (memory by context, and the price in quality)", md, verdicts)]
+    return [Section("G3-T4", "Memory Bank Performance (memory by context, and the price in quality)", md, verdicts),
+            _components()]
+
+
+def _components() -> Section:
+    """G3-C1: each component the guide lists, where it is built, the tests that check it, the studies that measure
+    it; parallelism is the distributed issue's."""
+    rows = [{"component": name, "built in": where, "checked by": tests, "measured by": measured or "-"}
+            for name, where, tests, measured in COMPONENTS]
+    rows.append({"component": PARALLEL, "built in": "-", "checked by": "-", "measured by": "-"})
+    verdicts = [Verdict("G3-C1", name, "a component", f"built: {where}", "any", "by construction",
+                        f"checked by {tests}" + (f"; measured by {measured}" if measured else ""))
+                for name, where, tests, measured in COMPONENTS]
+    verdicts.append(Verdict("G3-C1", PARALLEL, "a component", "-", "any", "not measured yet",
+                            "torch.distributed under torchrun: the distributed issue (49)"))
+    md = ("Guide 003's components, each where it is built, what checks it (CI, on the CPU) and which study "
+          "measures it.\n\n" + md_table(pd.DataFrame(rows)) + "\n")
+    return Section("G3-C1", "Components (memory bank, checkpointing, mixed precision, INT8, KV cache, serving)", md,
+                   verdicts)
 
 
 def memory_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -65,7 +103,8 @@ def _memory(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
         rows.append({"target": r.target, "context": r.context,
                      "guide: standard GB / LTM GB (ratio)": f"{g['standard_gb']:g} / {g['ltm_gb']:g} "
                      f"({g['compression']:g}x)" if g else "-",
-                     "standard, math MiB": mib(r.math, r.math_status), "standard, fused MiB": mib(r.fused, r.fused_status),
+                     "standard, math MiB": mib(r.math, r.math_status),
+                     "standard, fused MiB": mib(r.fused, r.fused_status),
                      "of which KV cache": fmt(r.kv_cache), "LTM MiB": mib(r.ltm, r.ltm_status),
                      "of which decode state": fmt(r.segment_cache),
                      "math / LTM": f"{ratio['math']:.1f}x" if ratio["math"] else "-",
@@ -96,8 +135,8 @@ def _memory(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
           "the weights plus the state its decoder keeps for the next token. The standard model: SDPA's math "
           "backend (which keeps the scores) and its fused backends, and its KV cache for the context; the LTM "
           "model: segment by segment, and its decode state after prefilling the context (each layer's segment "
-          "cache and bank, with the bank's keys and values). A status in place of a number says why a model did not run (oom: over the device's memory). "
-          "The guide's figures are for a model and batch it does not name.\n\n" + md_table(pd.DataFrame(rows)) + "\n")
+          "cache and bank, with the bank's keys and values). A status in place of a number says why a model did "
+          "not run (oom: over the device's memory). The guide's figures are for a model and batch it does not name.\n\n" + md_table(pd.DataFrame(rows)) + "\n")
     return md, verdicts
 
 

@@ -74,12 +74,13 @@ class Train(StudyDef):
                  "status": "ok", "reason": info, "kernel": ""}]
         keep = name in params.train.keep_weights
         for model in run.models:
-            rows += self._train(model, params.models[model], run, corpus, self.weights_root / name if keep else None)
+            rows += self.train_model(model, params.models[model], run, corpus,
+                                     self.weights_root / name if keep else None)
             if self.device == "cuda":
                 torch.cuda.empty_cache()
         return rows
 
-    def _train(self, name: str, preset: ModelConfig, run: TrainSchedule, corpus: Corpus, out: Path | None,
+    def train_model(self, name: str, preset: ModelConfig, run: TrainSchedule, corpus: Corpus, out: Path | None,
                table_id: str = "train", after: Callable[[Trainer], list[dict]] | None = None) -> list[dict]:
         """One model's run: its rows; ``after`` (the trained model's trainer -> more rows) runs before the model is
         let go (the memory-bank study evaluates its models there)."""

@@ -1,6 +1,7 @@
 """Guide 003's serving helpers: ``find_optimal_batch_size`` (the largest batch a call runs at, found on the
-device with out-of-memory recovery, cached) and a ``ThroughputTracker`` with a live progress line (rich). A
-call's peak memory: ``adaattn.bench.memory.peak_memory_bytes``.
+device with out-of-memory recovery, cached), a ``ThroughputTracker`` with a live progress line (rich) and a
+``BatchProcessor`` that serves many prompts in batches (its ``stats``: time, tokens/s and, on a GPU, each batch's
+peak allocation). A call's peak memory on any device: ``adaattn.bench.memory.peak_memory_bytes``.
 """
 
 from __future__ import annotations
@@ -99,3 +100,59 @@ class ThroughputTracker:
 
     def __exit__(self, *exc) -> None:
         self._progress.stop()
+
+
+class BatchProcessor:
+    """Serve many prompts with a static-cache decoder: prompts of one length go together in batches of up to
+    ``max_batch`` (a static KV cache holds sequences of one length: no padding, no masks to get wrong; pick
+    ``max_batch`` with ``find_optimal_batch_size``); each batch is a prefill and ``new_tokens`` decode steps
+    (``generate``), its caches made for it. ``run`` returns the sequences in the order given; ``stats`` has a
+    row per batch (size, prompt length, seconds, tokens/s, and on a GPU the batch's peak allocation: the memory
+    monitor), and the progress line shows the rate as it goes."""
+
+    def __init__(self, model: torch.nn.Module, max_batch: int, new_tokens: int, temperature: float = 0.0,
+                 decode: Callable | None = None, show: bool = True):
+        if max_batch < 1 or new_tokens < 1:
+            raise ValueError(f"max_batch={max_batch} and new_tokens={new_tokens} must be at least 1")
+        self.model, self.max_batch, self.new_tokens, self.temperature = model, max_batch, new_tokens, temperature
+        self.decode, self.show = decode, show
+        self.stats: list[dict] = []
+
+    def batches(self, prompts: list[torch.Tensor]) -> list[list[int]]:
+        """Indices into ``prompts`` (1-D token tensors), grouped by length, longest first, ``max_batch`` at most."""
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            if p.dim() != 1 or p.numel() == 0:
+                raise ValueError(f"prompt {i}: a non-empty 1-D tensor of token ids expected; got shape "
+                                 f"{tuple(p.shape)}")
+            by_len.setdefault(p.numel(), []).append(i)
+        return [group[j:j + self.max_batch] for _, group in sorted(by_len.items(), reverse=True)
+                for j in range(0, len(group), self.max_batch)]
+
+    @torch.no_grad()
+    def run(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        from adaattn.models.generate import clear_kv_cache, decode_one, generate, setup_kv_cache
+
+        device = next(self.model.parameters()).device
+        cuda = device.type == "cuda"
+        groups, out = self.batches(prompts), [None] * len(prompts)
+        sync = torch.cuda.synchronize if cuda else None
+        with ThroughputTracker(len(groups), "batches", sync=sync, show=self.show) as tracker:
+            for group in groups:
+                tokens = torch.stack([prompts[i] for i in group]).to(device)
+                B, P = tokens.shape
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                start = tracker.seconds
+                setup_kv_cache(self.model, B, P + self.new_tokens)
+                seqs = generate(self.model, tokens, self.new_tokens, self.temperature, decode=self.decode or decode_one)
+                tracker.update(B * self.new_tokens)
+                clear_kv_cache(self.model)
+                seconds = tracker.seconds - start
+                self.stats.append({"batch": B, "prompt_len": P, "new_tokens": self.new_tokens, "seconds": seconds,
+                                   "tokens_per_s": B * self.new_tokens / seconds if seconds > 0 else 0.0,
+                                   "peak_mb": (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None})
+                for row, i in enumerate(group):
+                    out[i] = seqs[row].cpu()
+        return out
