@@ -21,9 +21,11 @@ TOY = {"model": "ltm_small", "batch": 1, "seq_len": 32, "dtype": "fp32",
 def _params(update=None):
     raw = copy.deepcopy(load_raw(PARAMS))
     # PyTorch's MLP and norm: the zoo's kernels run interpreted under the tests' TRITON_INTERPRET
-    raw["models"]["ltm_small"].update({"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "vocab_size": 64,
-                                       "segment_len": 16, "memory_slots": 8, "memory_compression": 4,
-                                       "mlp": "gelu", "norm": "layernorm"})
+    small = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "vocab_size": 64, "mlp": "gelu",
+             "norm": "layernorm"}
+    raw["models"]["ltm_small"].update({**small, "segment_len": 16, "memory_slots": 8, "memory_compression": 4})
+    for twin in ("ltm_small_dense", "ltm_small_window"):  # G3-T4's: the same model without its bank
+        raw["models"][twin].update(small)
     raw["G3-T1"]["cpu"] = {**TOY, **(update or {})}
     return validate(raw)
 
