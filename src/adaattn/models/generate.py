@@ -39,8 +39,8 @@ class KVCache(nn.Module):
         return self.k, self.v
 
     def state_bytes(self) -> int:
-        """The bytes this layer keeps between tokens: its keys and values."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """The bytes this layer keeps between tokens: its keys, values and the positions its masks are made from."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def mask(self, pos: Tensor) -> Tensor:
         """(S, M) bool: the query at position p sees the cache's positions 0..p (later ones are zeros or stale),

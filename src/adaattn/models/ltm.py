@@ -95,8 +95,7 @@ class SegmentCache(nn.Module):
         self.register_buffer("v", torch.zeros_like(self.k), persistent=False)
         self.register_buffer("inputs", torch.zeros(batch, segment_len, dim, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("causal", torch.ones(segment_len, segment_len, dtype=torch.bool,
-                                                  device=device).tril_(), persistent=False)
+        self.register_buffer("slots", torch.arange(segment_len, device=device), persistent=False)
         self.bank = torch.zeros(batch, 0, dim, dtype=dtype, device=device)
         self.bank_kv: tuple[Tensor, Tensor] | None = None
         self.seen = 0
@@ -106,7 +105,7 @@ class SegmentCache(nn.Module):
         the segment's, and the (n, N + S) mask: every slot, the segment causally."""
         self.k.index_copy_(2, offsets, k.to(self.k.dtype))
         self.v.index_copy_(2, offsets, v.to(self.v.dtype))
-        mask = self.causal[offsets]
+        mask = self.slots[None, :] <= offsets[:, None]  # the segment causally
         if self.bank_kv is None:
             return self.k, self.v, mask
         km, vm = self.bank_kv
@@ -114,6 +113,6 @@ class SegmentCache(nn.Module):
         return torch.cat([km, self.k], dim=2), torch.cat([vm, self.v], dim=2), torch.cat([slots, mask], dim=1)
 
     def state_bytes(self) -> int:
-        """The bytes this layer keeps between tokens."""
-        held = [self.k, self.v, self.inputs, self.bank, *(self.bank_kv or ())]
+        """The bytes this layer keeps between tokens: its buffers, the bank and the bank's keys and values."""
+        held = [*self.buffers(), self.bank, *(self.bank_kv or ())]
         return sum(t.numel() * t.element_size() for t in held)

@@ -116,7 +116,6 @@ class Attention(nn.Module):
             out = naive_attention(q, k, v, causal)
         return self.out(out.transpose(1, 2).reshape(B, S, H * D))
 
-
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """An LTM bank's slots (B, N, E), normalised, as keys and values (B, G, N, D): no positions (they are past)."""
         H, G, D = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
