@@ -728,7 +728,7 @@ class MemoryBankRun(_Section):
     (``models``: role -> preset). Memory: at each of ``contexts`` tokens (``batch`` sequences, weights in
     ``dtype``), a forward's peak over the weights (the standard model with SDPA's math backend, the scores in
     memory, and with its fused ones; the LTM model segment by segment) and the state kept for the next token
-    (the standard model's KV cache, the LTM model's banks). Quality: each model trained on ``train``'s schedule
+    (the standard model's KV cache, the LTM model's segment caches and banks). Quality: each model trained on ``train``'s schedule
     (the same text, batches and steps); its validation loss at each of ``eval_contexts``; and a passkey's recall
     at each of ``recall_distances`` (``recall_trials`` sequences each)."""
 
