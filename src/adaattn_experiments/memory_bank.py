@@ -30,18 +30,17 @@ from typing import Any
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from adaattn.bench.memory import peak_row
 from adaattn.bench.runner import StudyDef, target_sections
 from adaattn.config import RECALL_SPAN, MemoryBankRun, Params, Target
 from adaattn.models import ModelConfig, build_model
-from adaattn.models.data import VOCAB, load_corpus
+from adaattn.models.data import VOCAB, batch, load_corpus
 from adaattn.models.quant import quantize_int8_weight_only
 from adaattn.models.train import DTYPES, Trainer
 from adaattn.report.common import Section
-from adaattn_experiments.train import Train
+from adaattn_experiments.train import Train, evaluate
 
 MIB = 2**20
 KEY, QUERY = b'passkey = "', b'"\n'  # the key's line: KEY, five digits, QUERY's quote and newline
@@ -173,14 +172,14 @@ class MemoryBank(StudyDef):
         int8 = quantize_int8_weight_only(copy.deepcopy(trainer.model)) if role == "standard" else None
         for context in run.eval_contexts:
             batches = max(1, run.train.eval_batches * run.train.seq_len // context)  # about the same bytes each
-            windows = [_window(val, context, held) for _ in range(batches)]
+            windows = [batch(val, 1, context, held) for _ in range(batches)]
             for metric, model in (("val_loss", trainer.model), ("val_loss_int8", int8)):
                 if model is None:
                     continue
                 with serving(trainer, model):
-                    losses = [self._loss(trainer, w) for w in windows]
+                    loss = evaluate(trainer, windows)
                 rows.append({**base, "case_id": f"G3-T4/val-{context}", "context": context, "mode": "eval",
-                             "metric": metric, "value": sum(losses) / len(losses), "unit": "nats",
+                             "metric": metric, "value": loss, "unit": "nats",
                              "samples": batches, "reason": f"mean next-byte loss over {batches} held-out windows of "
                              f"{context} bytes"
                              + (", INT8 weight-only linears (models.quant)" if model is int8 else "")})
@@ -192,12 +191,6 @@ class MemoryBank(StudyDef):
                          "samples": len(hits), "reason": f"a passkey's {DIGITS} digits read {distance} bytes after "
                          "it, teacher-forced; chance 0.1"})
         return rows
-
-    @torch.no_grad()
-    def _loss(self, trainer: Trainer, window: torch.Tensor) -> float:
-        tokens = window.to(trainer.device)[None]
-        logits = trainer.forward(tokens[:, :-1])
-        return float(F.cross_entropy(logits.flatten(0, 1).float(), tokens[0, 1:]))
 
     @torch.no_grad()
     def _recall(self, trainer: Trainer, val: torch.Tensor, distance: int, gen: torch.Generator) -> float:
@@ -216,18 +209,12 @@ class MemoryBank(StudyDef):
 
 @contextlib.contextmanager
 def serving(trainer: Trainer, model: torch.nn.Module) -> Iterator[None]:
-    """``trainer.forward`` (its autocast and TF32 settings) on ``model`` for a while, in eval mode."""
+    """``trainer.forward`` (its autocast and TF32 settings) on ``model`` for a while."""
     kept, trainer.model = trainer.model, model.eval()
     try:
         yield
     finally:
         trainer.model = kept
-
-
-def _window(data: torch.Tensor, length: int, gen: torch.Generator) -> torch.Tensor:
-    """``length`` + 1 bytes of ``data`` at a random offset, int64."""
-    start = int(torch.randint(0, data.numel() - length - 1, (1,), generator=gen))
-    return data[start: start + length + 1].long()
 
 
 def passkey_sequence(val: torch.Tensor, distance: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -238,7 +225,7 @@ def passkey_sequence(val: torch.Tensor, distance: int, gen: torch.Generator) -> 
     filler = distance - len(tail) - len(KEY)
     if filler < 0:
         raise ValueError(f"distance={distance} is under a passkey line's {len(tail) + len(KEY)} bytes")
-    text = _window(val, filler, gen)[:filler]
+    text = batch(val, 1, filler, gen)[0, :filler]
     seq = torch.tensor(list(KEY + tail), dtype=torch.long)
     seq = torch.cat([seq, text, torch.tensor(list(KEY + digits), dtype=torch.long)])
     at = seq.numel() - DIGITS

@@ -76,6 +76,12 @@ class Train(StudyDef):
         for model in run.models:
             rows += self.train_model(model, params.models[model], run, corpus,
                                      self.weights_root / name if keep else None)
+            if not keep:  # a train.results_only target: say where the weights went
+                rows.append({"table_id": "train", "case_id": f"train/{model}-b{run.batch}-s{run.seq_len}",
+                             "kernel": "", "model": model, "batch": run.batch, "seq_len": run.seq_len,
+                             "provider": model, "mode": "step", "step": run.steps, "metric": "weights_mb",
+                             "value": None, "unit": "MiB", "status": "unavailable",
+                             "reason": "not kept: a train.results_only target's stage keeps its results only"})
             if self.device == "cuda":
                 torch.cuda.empty_cache()
         return rows
@@ -154,10 +160,6 @@ class Train(StudyDef):
             save_checkpoint(path, model, step=run.steps, vocab=VOCAB)
             rows.append({**row, "mode": "step", "step": run.steps, "metric": "weights_mb",
                          "value": path.stat().st_size / 2**20, "unit": "MiB", "reason": f"{path.as_posix()}"})
-        elif table_id == "train":  # the train stage's results-only target: say where the weights went
-            rows.append({**row, "mode": "step", "step": run.steps, "metric": "weights_mb", "value": None, "unit": "MiB",
-                         "status": "unavailable", "reason": "not kept: a train.results_only target's stage keeps its "
-                         "results only"})
         del model, optimizer, trainer
         return rows
 

@@ -16,6 +16,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from adaattn.bench.harness import classify_error
+from adaattn.models.generate import clear_kv_cache, decode_one, generate, setup_kv_cache
 
 
 def _free(device: str) -> None:
@@ -131,8 +132,6 @@ class BatchProcessor:
 
     @torch.no_grad()
     def run(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
-        from adaattn.models.generate import clear_kv_cache, decode_one, generate, setup_kv_cache
-
         device = next(self.model.parameters()).device
         cuda = device.type == "cuda"
         groups, out = self.batches(prompts), [None] * len(prompts)
