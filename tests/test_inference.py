@@ -130,3 +130,16 @@ def test_a_wrapper_subclass_counts_its_inner_tensors():
 def test_bad_sweeps_name_the_key(update, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _params(update)
+
+
+def test_each_compiled_call_starts_a_cuda_graph_step(monkeypatch):
+    # several compiled decoders called in shuffled rounds: without a step mark per call, CUDA-graph trees
+    # record a new graph for each order of calls they meet (minutes on the H100)
+    from adaattn_experiments import inference
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    for config, expected in (("flash", 0), ("int8", 0), ("compiled", 1), ("compiled_int8", 1)):
+        marks.clear()
+        assert inference.Inference._call(config, lambda x: x + 1, 1) == 2
+        assert len(marks) == expected, config

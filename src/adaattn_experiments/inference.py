@@ -104,6 +104,7 @@ class Inference(StudyDef):
         del initial
         rows: list[dict] = []
         for batch in sweep.batches:
+            self.note(f"batch {batch}: prefill and decode side by side, {', '.join(models)}")
             rows += self._batch_rows(cfg, models, batch, sweep)
             for c, why in missing.items():  # the peer that cannot run here: a row that says why
                 rows += [{"table_id": "G3-T3", "case_id": f"G3-T3/{sweep.model}-b{batch}-p{sweep.prompt_len}/{phase}",
@@ -152,14 +153,17 @@ class Inference(StudyDef):
             for c in cached:  # the caches hold the prompt before any decode step is timed
                 self._call(c, prefill, models[c], prompt)
             pre = {**common, "case_id": f"{case}/prefill", "phase": "prefill"}
+            self.note(f"batch {B}: prefill rounds")
             rows = side_by_side_rows([(pre, "fwd", {c: functools.partial(prefill_work, c) for c in cached})],
                                      self.device, keep=cached, rounds=sweep.side_by_side, seed=sweep.seed)
             dec = {**common, "case_id": f"{case}/decode", "phase": "decode"}
             paired = "compiled" if "compiled" in configs else None
+            self.note(f"batch {B}: decode rounds (first calls compile the compiled configs' decode step)")
             rows += side_by_side_rows([(dec, "fwd", {c: functools.partial(decode_work, c) for c in configs})],
                                       self.device, keep=configs, rounds=sweep.side_by_side,
                                       seed=sweep.seed, paired=paired)
             gen = {**common, "case_id": f"{case}/generate", "phase": "generate"}
+            self.note(f"batch {B}: peak memory of a prefill and {N} decode steps, each config")
             for c in configs:
                 rows.append(peak_row({**gen, "provider": c, "mode": "fwd", "metric": "peak_mem_mb"},
                                      functools.partial(self._generate, c, models[c], decoders.get(c), tokens, P),
@@ -193,6 +197,10 @@ class Inference(StudyDef):
     @staticmethod
     def _call(config: str, fn, *args):
         """``fn(*args)`` with SDPA's math backend for ``base`` (the scores materialised), its own dispatch else."""
+        if config in COMPILED:
+            # each call a new step of CUDA-graph trees: without it, compiled decoders called in shuffled order
+            # record a new graph for every order of calls they meet
+            torch.compiler.cudagraph_mark_step_begin()
         with sdpa_kernel([SDPBackend.MATH]) if config == "base" else contextlib.nullcontext():
             return fn(*args)
 

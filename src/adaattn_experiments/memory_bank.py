@@ -70,6 +70,7 @@ class MemoryBank(StudyDef):
         rows: list[dict] = []
         for context in run.contexts:
             for role in ("standard", "ltm"):
+                self.note(f"memory at {context} tokens: {role}")
                 torch.manual_seed(run.seed)
                 rows += self._memory(run, role, params.models[run.models[role]], context)
                 if self.device == "cuda":
@@ -77,6 +78,7 @@ class MemoryBank(StudyDef):
         corpus = load_corpus(run.train.val_percent)
         for role, name in run.models.items():
             cfg = ModelConfig(**{**params.models[name].model_dump(), "vocab_size": VOCAB})
+            self.note(f"training {role} ({name}) for {run.train.steps} steps, then its loss and recall")
             evaluate = functools.partial(self._quality, run, role, name, corpus.val)
             trained = Train(self.device).train_model(name, cfg, run.train, corpus, None, table_id="G3-T4",
                                                      after=evaluate)

@@ -94,12 +94,14 @@ def _memory(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
     guide, cpus, goal = guide_figures()["G3-T4"]["figures"], cpu_targets(df), knobs().ltm_memory_ratio
 
     def mib(v: float | None, status: str) -> str:
-        return fmt(v) if v is not None else status
+        return fmt(v) if pd.notna(v) else status
 
     rows, verdicts = [], []
     for r in table.itertuples():
         g = guide.get(guide_context(r.context) or "", {})
-        ratio = {p: getattr(r, p) / r.ltm if getattr(r, p) is not None and r.ltm else None for p in ("math", "fused")}
+        # a model that did not run is NaN in the table (None in a float column)
+        ratio = {p: getattr(r, p) / r.ltm if pd.notna(getattr(r, p)) and pd.notna(r.ltm) and r.ltm else None
+                 for p in ("math", "fused")}
         rows.append({"target": r.target, "context": r.context,
                      "guide: standard GB / LTM GB (ratio)": f"{g['standard_gb']:g} / {g['ltm_gb']:g} "
                      f"({g['compression']:g}x)" if g else "-",
@@ -118,10 +120,18 @@ def _memory(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
                 "the standard model with SDPA's math backend (the scores in memory, the guide's standard attention): "
                 "its forward's peak plus its KV cache, over the LTM model's peak plus its decode state, same width "
                 "and depth, fresh weights; the guide names no model or batch"))
+        elif g and r.math_status != "ok" and pd.notna(r.ltm):
+            verdicts.append(Verdict(
+                "G3-T4", f"at {guide_context(r.context)} context the LTM model needs {g['compression']:g}x less "
+                "memory than standard attention", f"{g['compression']:g}x", f"standard: {r.math_status}",
+                r.hardware, "not measurable here",
+                f"the standard model with SDPA's math backend did not run at {r.context} tokens on this device "
+                f"({r.math_status}: its scores alone are over the device's memory), so there is no ratio to read"))
     for target, frame in table.groupby("target", sort=False):
         last = frame.sort_values("context").iloc[-1]
         measurable = target not in cpus and last["context"] >= 32768
-        ratio = last["fused"] / last["ltm"] if last["fused"] is not None and last["ltm"] else math.nan
+        ratio = last["fused"] / last["ltm"] if pd.notna(last["fused"]) and pd.notna(last["ltm"]) and last["ltm"] \
+            else math.nan
         verdicts.append(Verdict(
             "G3-T4", f"the LTM model's memory at 32K context at most 1/{goal:g} of the standard model's",
             f">= {goal:g}x", f"{ratio:.1f}x at {int(last['context'])} tokens" if not math.isnan(ratio) else

@@ -59,6 +59,14 @@ class StudyDef(Protocol):
         """Measurements outside the harness, after it."""
         return []
 
+    def note(self, message: str) -> None:
+        """A line of progress from a long ``extra_rows`` (no bar there), with the time of day: where a run
+        that ran out of time stopped, and what each part took."""
+        _NOTES.log(message)
+
+
+_NOTES = Console(stderr=True)
+
 
 def resolve_target(params: Params, name: str) -> Target:
     if name not in params.targets:
