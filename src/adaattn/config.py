@@ -803,6 +803,31 @@ class Verdicts(_Section):
     ltm_memory_ratio: float = Field(8.0, gt=1)  # G3-T4: the standard model's memory at 32K over the LTM model's
 
 
+class Layout(BaseModel):
+    """How a run spreads over processes (``params.yaml`` ``parallel``; ``adaattn.distributed``): ``dp`` replicas
+    (DDP, or HSDP's replicate dimension where ``fsdp`` > 1), ``fsdp`` shards of each replica's parameters,
+    gradients and optimizer state (FSDP2), ``tp`` tensor-parallel ranks; their product is ``world_size``, the
+    processes torchrun starts. ``reshard_after_forward``: FSDP frees each block's gathered parameters after its
+    forward (less memory, one more all-gather in the backward). ``param_dtype`` / ``reduce_dtype``: FSDP's
+    mixed-precision policy (compute and gradient-reduction dtypes; the sharded weights stay fp32)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    world_size: PositiveInt = 1
+    dp: PositiveInt = 1
+    fsdp: PositiveInt = 1
+    tp: PositiveInt = 1
+    reshard_after_forward: bool = True
+    param_dtype: Literal["bf16", "fp32"] = "bf16"
+    reduce_dtype: Literal["bf16", "fp32"] = "fp32"
+
+    @model_validator(mode="after")
+    def _product(self) -> Layout:
+        if self.dp * self.fsdp * self.tp != self.world_size:
+            raise ValueError(f"parallel.world_size={self.world_size} must be dp x fsdp x tp = {self.dp} x "
+                             f"{self.fsdp} x {self.tp} = {self.dp * self.fsdp * self.tp}")
+        return self
+
+
 class Params(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -829,6 +854,7 @@ class Params(BaseModel):
     g3_t3: G3T3Section | None = Field(None, alias="G3-T3")
     g3_t1: G3T1Section | None = Field(None, alias="G3-T1")
     g3_t4: G3T4Section | None = Field(None, alias="G3-T4")
+    parallel: Layout = Layout()  # adaattn.distributed: the processes' layout
 
     @model_validator(mode="after")
     def _ladder_models(self) -> Params:

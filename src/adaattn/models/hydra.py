@@ -82,7 +82,7 @@ class CCGQAttention(nn.Module):
             with torch.no_grad():  # out channel c reads its own channel (c mod D within its head) at the last tap
                 c = torch.arange(w.shape[0])
                 w[c, c % w.shape[1], -1] += 1.0
-        self.temperature = nn.Parameter(torch.tensor(math.sqrt(D)))
+        self.temperature = nn.Parameter(torch.full((1,), math.sqrt(D)))  # 1-D: FSDP shards no 0-d parameter
 
     def forward(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
         B, S, _ = x.shape

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from adaattn.models.config import ModelConfig
 
@@ -153,6 +154,8 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip is not None else float("inf"))
+        if hasattr(norm, "full_tensor"):  # FSDP's sharded gradients: a DTensor of the whole model's norm
+            norm = norm.full_tensor()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -167,7 +170,7 @@ class Trainer:
         logits, aux = self.forward(inputs, return_aux=True)
         loss = criterion(logits.float(), targets) if criterion is not None else self._cross_entropy(logits, targets)
         # a routed model's routers learn, beside the loss, whether a token makes their top k (causal inference)
-        return loss, loss if aux is None else loss + self.model.cfg.router_aux_weight * aux
+        return loss, loss if aux is None else loss + _unwrapped(self.model).cfg.router_aux_weight * aux
 
     def held_bytes(self) -> int:
         """What a step holds between steps: the weights and the optimizer's state."""
@@ -179,7 +182,7 @@ class Trainer:
         caller's grad mode and the model's train / eval mode; with ``return_aux``, also a routed model's
         auxiliary router loss (None for a model without routers)."""
         autocast = self.compute_dtype != torch.float32
-        routed = getattr(getattr(self.model, "cfg", None), "routed", False)
+        routed = getattr(getattr(_unwrapped(self.model), "cfg", None), "routed", False)
         with tf32_mode(self.tf32), torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=autocast):
             if not return_aux:
                 return self.model(inputs)
@@ -241,7 +244,8 @@ def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | d
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)  # a compiled module's own
+    model = getattr(model, "_orig_mod", model)  # a compiled module's own
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

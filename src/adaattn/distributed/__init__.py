@@ -1,0 +1,15 @@
+"""Past one GPU, on the engine PyTorch has: torch.distributed launched by torchrun (one process a GPU, NCCL;
+gloo on CPUs), a device mesh, DDP and FSDP2 (``fully_shard``). ``docs/distributed.md`` has the commands."""
+
+from adaattn.distributed.parallel import (
+    MULTICAST_OFF,
+    RankStats,
+    check_layout,
+    gather_stats,
+    init_mesh,
+    multicast_off,
+    parallelize,
+)
+
+__all__ = ["MULTICAST_OFF", "RankStats", "check_layout", "gather_stats", "init_mesh", "multicast_off",
+           "parallelize"]

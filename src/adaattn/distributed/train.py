@@ -1,0 +1,178 @@
+"""Train a zoo preset in a layout, one process a GPU (or CPU processes over gloo), under torchrun:
+
+    torchrun --standalone --nproc-per-node 2 -m adaattn.distributed.train --model llama_1b \\
+        --set parallel.world_size=2 --set parallel.fsdp=2
+
+Every rank builds the same weights (one seed) and draws the same global batch of the byte corpus, then trains
+on its data-parallel share of it; the step's gradients are averaged across the shares (DDP's all-reduce,
+FSDP's reduce-scatter), so a layout trains as one process on the whole batch would. Rank 0 prints each rank's
+tokens/s and peak memory and the aggregate, and writes them (with the steps' losses) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import torch.distributed as dist
+import typer
+from rich.console import Console
+from torch.distributed.tensor import DTensor
+
+from adaattn.config import ConfigError, load_params
+from adaattn.distributed.parallel import RankStats, check_layout, gather_stats, init_mesh, parallelize
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+def weights_digest(model: torch.nn.Module) -> dict[str, float]:
+    """Each parameter's sum of squares over the whole tensor (gathered where sharded): the same numbers on every
+    layout that holds the same weights. Called on every rank (a sharded tensor's gather is collective)."""
+    inner = getattr(model, "module", model)  # DDP's
+    out = {}
+    for name, p in inner.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = float(full.detach().double().pow(2).sum())
+    return out
+
+
+def checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Model and optimizer state through torch.distributed.checkpoint: each rank writes its shards, and the
+    folder loads into any layout (``restore``). Collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp")  # written whole, then renamed: a failed save keeps the last one
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state, "step": torch.tensor(step)}, checkpoint_id=tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        old = folder.with_name(f".{folder.name}.old")
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+        if old.exists():
+            shutil.rmtree(old)
+    dist.barrier()
+
+
+def restore(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load ``checkpoint``'s folder into this layout's model and optimizer (resharded as this layout needs);
+    the steps the saved run had taken."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state, "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return int(state["step"])
+
+
+@app.command()
+def main(
+    model: Annotated[str, typer.Option(help="a preset of params.yaml `models`")],
+    steps: Annotated[int, typer.Option(min=1, help="optimizer steps")] = 20,
+    warmup: Annotated[int, typer.Option(min=0, help="steps before the timed ones (compile, allocator)")] = 2,
+    batch_size: Annotated[int, typer.Option("--batch", min=1, help="global batch: sequences a step, all ranks")] = 8,
+    seq_len: Annotated[int, typer.Option(min=1, help="tokens a sequence")] = 256,
+    dtype: Annotated[str, typer.Option(help="the trainer's autocast dtype: bf16, fp16 or fp32")] = "bf16",
+    lr: Annotated[float, typer.Option(help="AdamW's learning rate")] = 3e-4,
+    seed: Annotated[int, typer.Option(help="weights and batches")] = 0,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a param, KEY=VALUE")] = None,
+    params: Annotated[Path, typer.Option("--params", help="params.yaml to read")] = Path("params.yaml"),
+    out: Annotated[Path | None, typer.Option(help="JSON of the run (rank 0 writes it)")] = None,
+    load: Annotated[Path | None, typer.Option(help="a checkpoint folder to resume from (any layout's)")] = None,
+    save: Annotated[Path | None, typer.Option(help="a folder to write the checkpoint to after the steps")] = None,
+) -> None:
+    """Train ``--model`` for ``--steps`` in params.yaml's ``parallel`` layout."""
+    console = Console(stderr=True, soft_wrap=True)  # each rank's lines whole in a launcher's log
+    try:  # every check before a process group starts: a bad layout stops each process alike, at once
+        cfg_all, _ = load_params(params, set_)
+        if model not in cfg_all.models:
+            raise ConfigError(f"--model {model!r} is not a preset of models; allowed: {', '.join(cfg_all.models)}")
+        layout, cfg = cfg_all.parallel, cfg_all.models[model]
+        if "MASTER_ADDR" not in os.environ:  # torchrun sets it, with RANK and WORLD_SIZE
+            raise ConfigError("no torchrun environment: start it as torchrun --standalone --nproc-per-node "
+                              f"{layout.world_size} -m adaattn.distributed.train ... (docs/distributed.md)")
+        check_layout(layout, cfg, model)
+        shares = layout.dp * layout.fsdp
+        if batch_size % shares:
+            raise ConfigError(f"--batch {batch_size} must divide among the {shares} data-parallel ranks "
+                              f"(parallel.dp x parallel.fsdp)")
+        if seq_len > cfg.max_seq_len:
+            raise ConfigError(f"--seq-len {seq_len} is over models.{model}.max_seq_len={cfg.max_seq_len}")
+        if dtype not in ("bf16", "fp16", "fp32"):
+            raise ConfigError(f"--dtype {dtype!r}; allowed: bf16, fp16, fp32")
+        if load is not None and not (load / ".metadata").is_file():
+            raise ConfigError(f"--load {load}: not a checkpoint folder (no .metadata; --save writes one)")
+        if dtype == "fp16" and layout.fsdp > 1:
+            raise ConfigError("--dtype fp16 with parallel.fsdp > 1: the trainer's GradScaler does not reduce "
+                              "across shards; allowed with fsdp: bf16, fp32")
+    except ConfigError as err:
+        console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(2) from None
+
+    from adaattn.models import build_model
+    from adaattn.models.data import batch, load_corpus
+    from adaattn.models.train import Trainer, param_groups
+
+    mesh = init_mesh(layout)
+    try:
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+            else torch.device("cpu")
+        torch.manual_seed(seed)
+        net = parallelize(build_model(cfg, device=device), layout, mesh)
+        optimizer = torch.optim.AdamW(param_groups(net, 0.1), lr=lr, betas=(0.9, 0.95),
+                                      fused=device.type == "cuda")
+        trainer = Trainer(net, optimizer, dtype=dtype, tf32=True if device.type == "cuda" else None)
+        share = mesh.get_local_rank("dp") * layout.fsdp + mesh.get_local_rank("fsdp")
+        per_rank = batch_size // shares
+        corpus, g = load_corpus(), torch.Generator().manual_seed(seed)
+        done, loaded = 0, None
+        if load is not None:
+            done = restore(load, net, optimizer)
+            loaded = weights_digest(net)
+            for _ in range(done):  # the batches the saved run took: a resumed run goes on where it stopped
+                batch(corpus.train, batch_size, seq_len, g)
+        losses, start = [], None
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for step in range(warmup + steps):
+            if step == warmup:
+                sync()
+                start = time.perf_counter()
+            tokens = batch(corpus.train, batch_size, seq_len, g)[share * per_rank:(share + 1) * per_rank]
+            loss = trainer.train_step(tokens)["loss"]
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the whole batch's mean: equal shares
+            losses.append(loss)
+        sync()
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+        stats = gather_stats(RankStats(dist.get_rank(), steps * per_rank * seq_len, seconds, peak))
+        digest = weights_digest(net)
+        if save is not None:
+            checkpoint(save, net, optimizer, done + warmup + steps)
+        if dist.get_rank() == 0:
+            run = {"model": model, "layout": layout.model_dump(), "steps": steps, "warmup": warmup,
+                   "batch": batch_size, "seq_len": seq_len, "dtype": dtype, "device": device.type,
+                   "losses": [float(x) for x in losses], "weights": digest, "resumed_at": done,
+                   "loaded_weights": loaded, **stats}
+            console.print(f"{model} {layout.model_dump()}: {stats['tokens_per_s']:.0f} tokens/s "
+                          f"({stats['tokens_per_s_per_rank']:.0f} a rank), peak {stats['peak_mib_max']:.0f} MiB")
+            if out is not None:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(run, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,118 @@
+"""Layouts on torch.distributed, on the CPU over gloo: processes started by torchrun, as a user starts them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from adaattn.config import ConfigError, Layout, load_raw, validate
+from adaattn.distributed import MULTICAST_OFF, check_layout, multicast_off
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+
+
+@pytest.fixture(scope="module")
+def params_file(tmp_path_factory) -> Path:
+    raw = copy.deepcopy(load_raw(PARAMS))
+    # PyTorch's MLP and norm, two layers: the layouts' arithmetic, not the kernels, is under test
+    raw["models"]["dense_small"].update({"dim": 32, "n_layers": 2, "n_heads": 2, "mlp": "gelu", "norm": "layernorm"})
+    path = tmp_path_factory.mktemp("dist") / "params.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def torchrun(params: Path, out: Path, nproc: int, model: str = "dense_small", seq_len: int = 32, steps: int = 3,
+             extra: tuple[str, ...] = (), **layout: int) -> subprocess.CompletedProcess:
+    sets = [f"parallel.{k}={v}" for k, v in {"world_size": nproc, "param_dtype": "fp32", **layout}.items()]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # PyTorch's ops on the CPU, not Triton's
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "adaattn.distributed.train", "--model", model, "--steps", str(steps), "--warmup", "0", "--batch", "4",
+           "--seq-len", str(seq_len), "--dtype", "fp32", "--params", str(params), "--out", str(out),
+           *[a for s in sets for a in ("--set", s)], *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def run(params: Path, out: Path, nproc: int, **kw) -> dict:
+    done = torchrun(params, out, nproc, **kw)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def assert_same_training(a: dict, b: dict) -> None:
+    """The same losses step by step and the same weights after the steps (fp32; reductions in another order)."""
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+    assert a["weights"].keys() == b["weights"].keys()
+    for name, value in b["weights"].items():
+        assert a["weights"][name] == pytest.approx(value, rel=1e-5), name
+
+
+@pytest.mark.parametrize("model, seq_len", [("dense_small", 32), ("ltm_small", 128), ("hydra_small", 64)])
+def test_ddp_and_fsdp2_train_as_one_process_does(params_file, tmp_path, model, seq_len):
+    one = run(params_file, tmp_path / "one.json", 1, model=model, seq_len=seq_len)
+    assert one["losses"][-1] < one["losses"][0] + 1.0 and len(one["weights"]) > 5
+    fsdp = run(params_file, tmp_path / "fsdp.json", 2, model=model, seq_len=seq_len, fsdp=2)
+    assert_same_training(fsdp, one)
+    assert fsdp["layout"]["fsdp"] == 2 and len(fsdp["ranks"]) == 2
+    if model == "dense_small":
+        ddp = run(params_file, tmp_path / "ddp.json", 2, model=model, seq_len=seq_len, dp=2)
+        assert_same_training(ddp, one)
+        # each rank trained on its half of every batch
+        assert [r["tokens"] for r in ddp["ranks"]] == [3 * 2 * seq_len] * 2
+        hsdp = run(params_file, tmp_path / "hsdp.json", 4, model=model, seq_len=seq_len, dp=2, fsdp=2)
+        assert_same_training(hsdp, one)  # two replicas of two shards each
+
+
+def test_a_checkpoint_saved_at_world_size_2_resumes_at_world_size_1(params_file, tmp_path):
+    folder = tmp_path / "ckpt"
+    saved = run(params_file, tmp_path / "a.json", 2, fsdp=2, extra=("--save", str(folder)))
+    resumed = run(params_file, tmp_path / "b.json", 1, steps=2, extra=("--load", str(folder)))
+    assert resumed["resumed_at"] == 3 and resumed["loaded_weights"] == saved["weights"]
+    straight = run(params_file, tmp_path / "c.json", 1, steps=5)  # the same five steps in one process
+    assert_same_training({**resumed, "losses": saved["losses"] + resumed["losses"]}, straight)
+    assert not list(tmp_path.glob(".ckpt.*"))  # written whole, then renamed
+
+
+def test_a_launch_that_does_not_match_the_layout_stops_before_any_process_group(params_file, tmp_path):
+    done = torchrun(params_file, tmp_path / "x.json", 2, world_size=1)
+    assert done.returncode != 0 and not (tmp_path / "x.json").exists()
+    assert "parallel.world_size=1 but 2 processes were started" in " ".join(done.stderr.split())
+    assert "ProcessGroup" not in done.stderr  # stopped in the check, not in a collective
+    done = torchrun(params_file, tmp_path / "y.json", 1, extra=("--load", str(tmp_path / "nothing")))
+    assert done.returncode != 0 and "not a checkpoint folder" in " ".join(done.stderr.split())
+
+
+def test_without_torchrun_it_says_how_to_start(params_file, monkeypatch, capsys):
+    from adaattn.distributed import train
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        train.app(["--model", "dense_small", "--params", str(params_file)], standalone_mode=True)
+    err = " ".join(capsys.readouterr().err.split())
+    assert stop.value.code == 2 and "torchrun --standalone --nproc-per-node 1" in err
+
+
+def test_bad_layouts_name_the_key():
+    raw = copy.deepcopy(load_raw(PARAMS))
+    cfg = validate(raw).models["llama_1b"]
+    with pytest.raises(ConfigError, match=r"parallel.world_size=4 must be dp x fsdp x tp = 2 x 1 x 1 = 2"):
+        validate({**raw, "parallel": {"world_size": 4, "dp": 2}})
+    with pytest.raises(ConfigError, match="parallel.tp=2: tensor parallelism is not built yet; allowed: 1"):
+        check_layout(Layout(world_size=2, tp=2), cfg, "llama_1b", world_size=2)
+    with pytest.raises(ConfigError, match="but 1 process was started"):
+        check_layout(Layout(world_size=2, fsdp=2), cfg, "llama_1b", world_size=1)
+    check_layout(Layout(world_size=2, fsdp=2), cfg, "llama_1b", world_size=2)  # a good one passes
+
+
+def test_multicast_is_forced_off_whatever_the_environment_says():
+    env = {"NCCL_NVLS_ENABLE": "1", "OTHER": "x"}
+    multicast_off(env)
+    assert env == {**MULTICAST_OFF, "OTHER": "x"}
+    assert MULTICAST_OFF == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                             "NVSHMEM_DISABLE_NVLS": "1"}
