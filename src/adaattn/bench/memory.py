@@ -42,19 +42,12 @@ def profiled_call(fn: Callable[[], object], device: str, top: int = 3) -> Profil
 
     cuda = device == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
     with quiet_stderr(), profiler_session(activities, profile_memory=not cuda) as prof:
-        out = fn()
-        if cuda:
-            torch.cuda.synchronize()
-        del out
-    if cuda:
-        # the caching allocator's peak; the profiler's own buffers are not allocator memory
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
+        if cuda:  # the caching allocator's peak; the profiler's own buffers are not allocator memory
+            peak = _allocator_peak(fn)
+        else:
+            fn()
+    if not cuda:
         events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                         if e.name() == "[memory]")
         running = peak = 0
@@ -80,11 +73,8 @@ def _kernel_names(events, cuda: bool, top: int) -> str:
     return " | ".join(n[:90] for n in names)
 
 
-def peak_memory_bytes(fn: Callable[[], object], device: str) -> int:
-    """``fn``'s peak over what was allocated before it. On CUDA the allocator's statistics alone: the same peak
-    as under the profiler, without its cost (a call of many steps, a decode loop, records a kernel each)."""
-    if device != "cuda":
-        return profiled_call(fn, device).peak_bytes
+def _allocator_peak(fn: Callable[[], object]) -> int:
+    """CUDA: the caching allocator's peak over ``fn``, minus what was allocated before it."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -92,6 +82,12 @@ def peak_memory_bytes(fn: Callable[[], object], device: str) -> int:
     torch.cuda.synchronize()
     del out
     return torch.cuda.max_memory_allocated() - before
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: str) -> int:
+    """``fn``'s peak over what was allocated before it. On CUDA the allocator's statistics alone: the same peak
+    as under the profiler, without its cost (a call of many steps, a decode loop, records a kernel each)."""
+    return _allocator_peak(fn) if device == "cuda" else profiled_call(fn, device).peak_bytes
 
 
 def kernels_ran(fn: Callable[[], object], device: str, top: int = 3) -> str:

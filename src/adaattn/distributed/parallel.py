@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from adaattn.config import ConfigError, Layout
 from adaattn.models.config import ModelConfig
+from adaattn.models.train import DTYPES
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 MESH_DIMS = ("dp", "fsdp", "tp")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def multicast_off(env: dict | None = None) -> None:
@@ -46,9 +46,8 @@ def check_layout(layout: Layout, cfg: ModelConfig, model: str = "model",
     if cfg.kind != "decoder" and layout.world_size > 1:
         raise ConfigError(f"models.{model}.kind={cfg.kind!r}: distributed training runs decoders; allowed: decoder")
     if cfg.attention == "ada" and layout.fsdp > 1:
-        raise ConfigError(f"models.{model}.attention='ada' with parallel.fsdp={layout.fsdp}: AdaAttention's manager "
-                          "picks per-call plans that FSDP's sharded parameters are not checked against; allowed "
-                          "attention with fsdp > 1: sdpa, ccgqa, flexible, naive")
+        raise ConfigError(f"models.{model}.attention='ada' with parallel.fsdp={layout.fsdp}: AdaAttention under FSDP "
+                          "is not tested yet; allowed attention with fsdp > 1: sdpa, ccgqa, flexible, naive")
 
 
 def init_mesh(layout: Layout) -> DeviceMesh:
