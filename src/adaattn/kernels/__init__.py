@@ -1,4 +1,5 @@
-"""Fused kernels (G4-T1, G4-T2, G4-C1): RMSNorm, SwiGLU, rotary embedding, QK-RMSNorm + rotary.
+"""Fused kernels (G4-T1, G4-T2, G4-C1): RMSNorm, SwiGLU, rotary embedding, QK-RMSNorm + rotary; and the INT8
+weight-only linear of decoding (G3-T3).
 
 Each public function runs the Triton kernels (forward and backward) when they are on and can run
 on the inputs' device, and the plain PyTorch reference otherwise; ``get_kernel_status()`` says
@@ -11,20 +12,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from adaattn.kernels.checks import check_qk_norm, check_rms_norm, check_rope, check_swiglu
-from adaattn.kernels.reference import qk_norm_rope_ref, rms_norm_ref, rope_cache, rope_ref, swiglu_ref
-from adaattn.kernels.runtime import ENV_DISABLE, get_kernel_status, refuse_grad_leaves, set_use_triton_kernels, use_triton
+from adaattn.kernels.checks import check_int8_linear, check_qk_norm, check_rms_norm, check_rope, check_swiglu
+from adaattn.kernels.reference import int8_linear_ref, qk_norm_rope_ref, rms_norm_ref, rope_cache, rope_ref, swiglu_ref
+from adaattn.kernels.runtime import (ENV_DISABLE, get_kernel_status, needs_grad, refuse_grad_leaves, set_use_triton_kernels,
+                                     use_triton)
 
 try:  # the kernels need Triton; without it every function below runs its reference
     from adaattn.kernels.rms_norm import rms_norm_triton
     from adaattn.kernels.rope import qk_norm_rope_triton, rope_triton
     from adaattn.kernels.swiglu import swiglu_triton
+    from adaattn.kernels.int8_linear import int8_linear_triton
 except ImportError:  # get_kernel_status() reports the import error
-    rms_norm_triton = swiglu_triton = rope_triton = qk_norm_rope_triton = None
+    rms_norm_triton = swiglu_triton = rope_triton = qk_norm_rope_triton = int8_linear_triton = None
 
 __all__ = [
     "ENV_DISABLE", "get_kernel_status", "set_use_triton_kernels", "rms_norm", "swiglu", "apply_rope",
-    "qk_norm_rope", "rope_cache", "rms_norm_ref", "swiglu_ref", "rope_ref", "qk_norm_rope_ref",
+    "qk_norm_rope", "int8_linear", "rope_cache", "rms_norm_ref", "swiglu_ref", "rope_ref", "qk_norm_rope_ref",
+    "int8_linear_ref",
 ]
 
 
@@ -70,3 +74,15 @@ def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: 
     if use_triton(q, k, q_weight, k_weight, cos, sin):
         return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
     return qk_norm_rope_ref(q, k, q_weight, k_weight, cos[: q.shape[1]], sin[: q.shape[1]], eps)
+
+
+def int8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = (x @ weight^T) * scale (+ bias): weight (out, in) int8, one scale per output channel. The kernel
+    reads the int8 bytes (decoding's rows); a call that autograd records takes the reference (the kernel
+    builds no gradient)."""
+    check_int8_linear(x, weight, scale, bias)
+    tensors = (x, weight, scale) if bias is None else (x, weight, scale, bias)
+    if use_triton(*tensors) and not needs_grad(x):
+        return int8_linear_triton(x, weight, scale, bias)
+    return int8_linear_ref(x, weight, scale, bias)
+

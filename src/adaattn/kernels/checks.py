@@ -87,3 +87,16 @@ def check_qk_norm(q: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> 
         if w.shape != (D,) or w.device != q.device:
             raise ValueError(f"{name} must be ({D},) on {q.device}; got {tuple(w.shape)} on {w.device}")
     check_eps(eps)
+
+
+def check_int8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> None:
+    check_float("x", x)
+    if weight.dtype != torch.int8 or weight.dim() != 2 or not weight.is_contiguous():
+        raise TypeError(f"weight must be a contiguous (out, in) int8 tensor; got {weight.dtype} "
+                        f"{tuple(weight.shape)}{'' if weight.is_contiguous() else ', not contiguous'}")
+    n_out, k_in = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k_in:
+        raise ValueError(f"x's last dim must be the weight's in_features {k_in}; got x of shape {tuple(x.shape)}")
+    for name, t in (("scale", scale), ("bias", bias)):
+        if t is not None and (t.shape != (n_out,) or t.dtype not in FLOAT_DTYPES):
+            raise ValueError(f"{name} must be a float (out,) = ({n_out},) tensor; got {t.dtype} {tuple(t.shape)}")

@@ -55,3 +55,9 @@ def rope_cache(seq_len: int, head_dim: int, base: float = 10000.0, device=None) 
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
     angles = torch.arange(seq_len, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().float(), angles.sin().float()
+
+
+def int8_linear_ref(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """INT8 weight-only linear: the (out, in) int8 weight cast to x's dtype, the per-channel scale on the output."""
+    y = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
+    return y if bias is None else y + bias.to(x.dtype)

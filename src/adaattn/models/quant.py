@@ -1,14 +1,15 @@
 """INT8 weight-only quantization for inference (gpt-fast's scheme): each linear layer's weight stored as int8 with
-one symmetric scale per output channel, dequantized inside the matmul's call. Decoding at small batch reads
-the weights once per token, so halving their bytes is what speeds it up; under ``torch.compile`` the cast and
-the scale fuse into the matmul's kernel (``docs/models.md``).
+one symmetric scale per output channel, dequantized inside the matmul. Decoding at small batch reads the
+weights once per token, so halving their bytes is what speeds it up, if the matmul reads the int8 bytes
+themselves: ``adaattn.kernels.int8_linear``'s Triton kernels do, eager and compiled (``docs/models.md``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from adaattn.kernels import int8_linear
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -36,8 +37,7 @@ class Int8WeightOnlyLinear(nn.Module):
         return q
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return int8_linear(x, self.weight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weight-only"
