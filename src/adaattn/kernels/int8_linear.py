@@ -12,9 +12,10 @@ H100 (``reports/inference.md``). Two kernels, both reading each int8 tile once:
   BLOCK_K x BLOCK_N weight tiles converted to the activation dtype, accumulated in fp32.
 
 More rows than that (prefill) is compute-bound: the cast and cuBLAS, as the reference. The per-channel
-scale and the bias are applied to the fp32 accumulator before the one cast and store. Configs are tuned per
-(N, K, rows bucket) by ``triton.autotune``; N and K are runtime arguments, so one compiled kernel serves
-every layer shape.
+scale and the bias are applied to the fp32 accumulator before the one cast and store. Configs are tuned as
+the other kernels' are (``runtime.TunedLaunch``: CUPTI kernel times, not ``triton.autotune``'s per-call
+events, whose noise at few-us kernels exceeds the differences between configs), by the weight's size; N and K are runtime
+arguments, so one compiled kernel serves every layer shape.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from adaattn.kernels.reference import int8_linear_ref
-from adaattn.kernels.runtime import interpreter, tuned
+from adaattn.kernels.runtime import TunedLaunch, interpreter, tuned
 
 MAX_ROWS = 64  # above this the matmul is compute-bound: cast + cuBLAS
 
@@ -43,9 +44,8 @@ _MM_CONFIGS = tuned([triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, nu
                       (32, 512, 8, 2), (16, 128, 2, 6)]])
 
 
-@triton.autotune(configs=_GEMV_CONFIGS, key=["N", "K"])
 @triton.jit
-def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K,
+def _int8_gemv_kernel(w_ptr, x_ptr, s_ptr, b_ptr, y_ptr, N, K,
                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -63,9 +63,8 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K,
     tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
-@triton.autotune(configs=_MM_CONFIGS, key=["N", "K", "BLOCK_M"])
 @triton.jit
-def _int8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, x_row_stride,
+def _int8_mm_kernel(w_ptr, x_ptr, s_ptr, b_ptr, y_ptr, M, N, K, x_row_stride,
                     HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,8 +87,31 @@ def _int8_mm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, x_row_stride,
     tl.store(y_ptr + m[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+def _prune(configs, key, kwargs):
+    """No K tile wider than the row (a GEMV of K=2048 gains nothing from 4096-wide masked tiles)."""
+    return [c for c in configs if c.kwargs["BLOCK_K"] <= max(16, triton.next_power_of_2(key[0]))] or configs[:1]
+
+
+def _problem(key: tuple, nbytes: int, device: torch.device, rows: int):
+    k_in, dtype, bias = key[0], key[-2], key[-1]
+    n_out = max(16, nbytes // k_in)
+    w = torch.randint(-127, 128, (n_out, k_in), dtype=torch.int8, device=device)
+    scale = torch.rand(n_out, device=device, dtype=dtype) / 64
+    b = torch.randn(n_out, device=device, dtype=dtype) if bias else None
+    x = torch.randn(rows, k_in, device=device, dtype=dtype)
+    return lambda: int8_linear_fwd(x, w, scale, b)
+
+
+_gemv = TunedLaunch(_int8_gemv_kernel, _GEMV_CONFIGS, lambda key, nbytes, device: _problem(key, nbytes, device, 1),
+                    _prune)
+_mm = TunedLaunch(_int8_mm_kernel, _MM_CONFIGS, lambda key, nbytes, device: _problem(key, nbytes, device, key[1]),
+                  _prune)
+
+
 def int8_linear_fwd(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    """x (..., K) float, weight (N, K) int8 contiguous, scale (N,), bias (N,) or None -> (..., N) in x's dtype."""
+    """x (..., K) float, weight (N, K) int8 contiguous, scale (N,), bias (N,) or None -> (..., N) in x's dtype.
+    Tuned per (K, rows bucket, dtype, bias) at weights of 2-64 MiB (``runtime.TunedLaunch``); a call runs the
+    config tuned at the size nearest its weight's."""
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
     rows = x2.shape[0]
@@ -99,13 +121,15 @@ def int8_linear_fwd(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | Non
         x2 = x2.contiguous()
     y = torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
     b = bias if bias is not None else scale  # never read without HAS_BIAS
+    has_bias = bias is not None
     if rows == 1:
-        _int8_gemv_kernel[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),)](
-            x2, weight, scale, b, y, n_out, k_in, HAS_BIAS=bias is not None)
+        _gemv((k_in, x.dtype, has_bias), lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]),),
+              weight, x2, scale, b, y, n_out, k_in, HAS_BIAS=has_bias)
     else:
         block_m = max(16, triton.next_power_of_2(rows))
-        _int8_mm_kernel[lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, block_m))](
-            x2, weight, scale, b, y, rows, n_out, k_in, x2.stride(0), HAS_BIAS=bias is not None,
+        _mm((k_in, block_m, x.dtype, has_bias),
+            lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]), triton.cdiv(rows, block_m)),
+            weight, x2, scale, b, y, rows, n_out, k_in, x2.stride(0), HAS_BIAS=has_bias,
             FP32=x.dtype == torch.float32 or interpreter(), BLOCK_M=block_m)
     return y.reshape(*x.shape[:-1], n_out)
 
