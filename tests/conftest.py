@@ -11,6 +11,20 @@ if not torch.cuda.is_available():
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist each worker takes one core: two workers of two torch threads each on CI's two cores
+# spend their time switching. Child processes (dvc stages, torchrun) inherit the setting.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 4 (each holds a torch process and its compiled graphs); none on a
+    GPU machine, whose GPU tests tune kernels by timing them and must not share the GPU with another worker."""
+    if torch.cuda.is_available():
+        return 0
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
 
 @pytest.fixture
 def repo() -> Path:

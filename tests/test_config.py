@@ -144,6 +144,12 @@ def test_gpu_target_refused_without_that_gpu(repo, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ConfigError, match="this machine has 'NVIDIA A100"):
         check_hardware("h100", params.targets["h100"])
+    # a multi-GPU target on a machine with fewer of its GPUs
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_hardware("h100", params.targets["h100"])
+    with pytest.raises(ConfigError, match=r"target 'h100x2' needs 2 GPUs \(targets.h100x2.gpus\); this machine has 1"):
+        check_hardware("h100x2", params.targets["h100x2"])
 
 
 def test_config_checks_names_without_importing_what_runs_them():

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
+                      field_validator, model_validator)
 
 from adaattn.models.config import CHECKPOINTING, ModelConfig  # pydantic only: no torch
 from adaattn.names import ATTENTION_PROVIDERS as PROVIDERS
@@ -42,6 +42,7 @@ class Target(_Section):
     device: Literal["cpu", "cuda"]
     profile: Profile  # which size profile of each study section this target runs
     gpu_name: str | None = None  # substring of torch.cuda.get_device_name(); required for cuda
+    gpus: PositiveInt = 1  # GPUs the target's machine has (its multi-GPU studies' world sizes)
 
     @field_validator("gpu_name")
     @classmethod
@@ -650,6 +651,45 @@ class G3T3Section(ByProfile):
     gpu: InferenceSweep
 
 
+DISTRIBUTED_LAYOUTS = ("ddp", "fsdp")
+
+
+class DistributedRun(_Section):
+    """G3-T2 and issue 49's scaling goal: each of ``models`` trained in each of ``layouts`` at each of
+    ``world_sizes`` (one GPU, or CPU process over gloo, a rank), every run a torchrun job of its own
+    (``adaattn.distributed.train``); at world size 1 one run, the baseline of both layouts. The batch per rank is
+    fixed (weak scaling: ``batch_per_rank`` x data-parallel ranks a step), ``seq_len`` tokens a sequence,
+    ``warmup`` untimed steps, then ``steps`` timed. NCCL's (gloo's) all-reduce bus bandwidth at each of
+    ``allreduce_mib`` in the same run, at the largest world size: the ceiling for the gradients' traffic."""
+
+    models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
+    layouts: Annotated[list[Literal[DISTRIBUTED_LAYOUTS]], Field(min_length=1)]  # type: ignore[valid-type]
+    world_sizes: Annotated[list[PositiveInt], Field(min_length=1)]
+    batch_per_rank: PositiveInt
+    seq_len: PositiveInt
+    steps: PositiveInt
+    warmup: NonNegativeInt = 2
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    allreduce_mib: Annotated[list[PositiveFloat], Field(min_length=1)]
+    timeout_s: float = Field(300, gt=0)  # one torchrun job
+
+    @model_validator(mode="after")
+    def _lists(self) -> DistributedRun:
+        for name in ("models", "layouts", "world_sizes"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} must not repeat one; got {values}")
+        if 1 not in self.world_sizes:
+            raise ValueError(f"world_sizes must hold 1 (the baseline the scaling is read against); got "
+                             f"{self.world_sizes}")
+        return self
+
+
+class G3T2Section(ByProfile):
+    cpu: DistributedRun
+    gpu: DistributedRun
+
+
 ALLOCATOR_SETTINGS = ("default", "split_512", "expandable", "fraction_95")
 
 
@@ -799,6 +839,7 @@ class Verdicts(_Section):
     mfu_speedup: dict[str, Annotated[float, Field(gt=0)]] = {"llama_1b": 1.1}
     decode_roofline: float = Field(0.80, gt=0, le=1)  # G3-T3: batch-1 decode's bytes / time over the copy bandwidth
     int8_decode_speedup: float = Field(1.7, gt=0)  # G3-T3: INT8 weight-only decode over bf16's, batch 1, compiled
+    scaling_efficiency: float = Field(0.95, gt=0, le=1)  # G3-T2: tokens/s per GPU at N GPUs over one GPU's
     exponent_tolerance: float = Field(0.15, ge=0)  # G3-T1: a fitted exponent within this fraction of the O()'s
     ltm_memory_ratio: float = Field(8.0, gt=1)  # G3-T4: the standard model's memory at 32K over the LTM model's
 
@@ -852,6 +893,7 @@ class Params(BaseModel):
     mfu: MfuSection | None = None
     allocator: AllocatorSection | None = None
     g3_t3: G3T3Section | None = Field(None, alias="G3-T3")
+    g3_t2: G3T2Section | None = Field(None, alias="G3-T2")
     g3_t1: G3T1Section | None = Field(None, alias="G3-T1")
     g3_t4: G3T4Section | None = Field(None, alias="G3-T4")
     parallel: Layout = Layout()  # adaattn.distributed: the processes' layout
@@ -900,6 +942,10 @@ class Params(BaseModel):
                     check_decodable(self.models[run.model])
                 except ValueError as err:
                     raise ValueError(f"G3-T3.{profile}.model {run.model!r}: {err}") from None
+        for profile in ("cpu", "gpu"):
+            run = getattr(self.g3_t2, profile) if self.g3_t2 else None
+            for name in run.models if run else ():
+                self._check_preset(f"G3-T2.{profile}", name, run.seq_len)
         for profile in ("cpu", "gpu"):
             run = getattr(self.allocator, profile) if self.allocator else None
             if run is not None:

@@ -5,6 +5,7 @@ from adaattn_experiments.attention_backends import STUDY as ATTENTION_BACKENDS
 from adaattn_experiments.ccgqa import STUDY as CCGQA
 from adaattn_experiments.checkpointing import STUDY as CHECKPOINTING
 from adaattn_experiments.cpu_baseline import STUDY as CPU_BASELINE
+from adaattn_experiments.distributed import STUDY as DISTRIBUTED
 from adaattn_experiments.inference import STUDY as INFERENCE
 from adaattn_experiments.kernels import STUDY as KERNELS
 from adaattn_experiments.memory_analysis import STUDY as MEMORY_ANALYSIS
@@ -32,4 +33,5 @@ STUDIES = {
     INFERENCE.name: INFERENCE,
     MEMORY_ANALYSIS.name: MEMORY_ANALYSIS,
     MEMORY_BANK.name: MEMORY_BANK,
+    DISTRIBUTED.name: DISTRIBUTED,
 }

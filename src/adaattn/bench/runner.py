@@ -98,6 +98,11 @@ def check_hardware(name: str, target: Target, stage: str = "<study>") -> None:
             f"target {name!r} is for a GPU whose name contains {target.gpu_name!r}; this machine has {gpu!r}. "
             f"Add a target for it in params.yaml (docs/gpu-box.md, 'Targets') instead of relabelling."
         )
+    if torch.cuda.device_count() < target.gpus:
+        raise ConfigError(
+            f"target {name!r} needs {target.gpus} GPUs (targets.{name}.gpus); this machine has "
+            f"{torch.cuda.device_count()}. Measure it on a machine that has them."
+        )
 
 
 def target_sections(raw: dict, target_name: str, section_ids: tuple[str, ...]) -> dict[str, Any]:
@@ -143,7 +148,7 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
                   f"{harness.ceilings.gemm_tflops:.1f} TFLOP/s")
     total = sum(len(c.providers) for c in cases)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as bar:
+                  console=console, transient=False, disable=not cases) as bar:
         task = bar.add_task(study.name, total=total)
 
         def progress(label: str) -> None:
@@ -159,7 +164,8 @@ def run_study(study: StudyDef, params: Params, raw: dict, target_name: str, resu
     prov = provenance(target.device, target_name, phash)
     rows = [{"study": study.name, **r, **prov} for r in harness.ceiling_rows() + harness.rows + extra]
     write_results(path, rows, study.config_columns)
-    console.print(f"time by phase: {harness.phase_summary()}")
+    if harness.phase_summary():
+        console.print(f"time by phase: {harness.phase_summary()}")
     ok = sum(1 for r in harness.rows if r["status"] == "ok" and r["metric"] == "time_ms")
     console.print(f"wrote {path} ({ok} timed cases, {len(rows)} rows)")
     return path

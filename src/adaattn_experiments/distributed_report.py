@@ -1,0 +1,85 @@
+"""The distributed training report (G3-T2, issue 49's scaling goal), from the results table only
+(``distributed.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from adaattn.report.common import Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table
+
+SINGLE = "single"
+
+
+def _value(ok: pd.DataFrame, metric: str):
+    v = ok[ok["metric"] == metric]["value"]
+    return float(v.iloc[0]) if len(v) else None
+
+
+def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
+    jobs = df[df["mode"] == "train"]
+    reduce = df[(df["mode"] == "all_reduce") & (df["status"] == "ok")]
+    cpus = cpu_targets(df)
+    goal = knobs().scaling_efficiency
+    table, verdicts, bus = [], [], []
+    for target, frame in jobs.groupby("target", sort=False):
+        hw = frame["hardware"].iloc[0]
+        cpu = target in cpus
+        for model, runs in frame.groupby("model", sort=False):
+            ok = runs[runs["status"] == "ok"]
+            one = _value(ok[ok["provider"] == SINGLE], "tokens_per_s")
+            for (layout, ws), job in runs.groupby(["provider", "world_size"], sort=False):
+                good = job[job["status"] == "ok"]
+                per_rank = _value(good, "tokens_per_s_per_rank")
+                eff = per_rank / one if per_rank is not None and one else None
+                peak = _value(good, "rank_peak_mem_mb")
+                bad = job[job["status"] != "ok"]
+                table.append({"target": target, "model": model, "layout": layout, "ranks": int(ws),
+                              "batch": fmt(job["batch"].iloc[0]), "tokens/s": fmt(_value(good, "tokens_per_s")),
+                              "tokens/s a rank": fmt(per_rank),
+                              "scaling efficiency": fmt(eff) if ws > 1 else "-",
+                              "step ms": fmt(_value(good, "step_ms")),
+                              "peak GiB a rank": fmt(peak / 1024 if peak is not None else None),
+                              "last loss": fmt(_value(good, "loss_last")),
+                              "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
+                if ws == 1:
+                    continue
+                claim = f"{layout.upper() if layout == 'ddp' else 'FSDP2'} x{int(ws)} scaling efficiency ({model})"
+                measured = "-" if eff is None else f"{eff:.3f} (x{int(ws)}: {per_rank:.4g} tokens/s a rank, x1: {one:.4g})"
+                verdict = ("not measurable here" if cpu else "not measured yet" if eff is None
+                           else judge((eff, eff), (goal, None), True))
+                verdicts.append(Verdict("G3-T2", claim, f">= {goal:g}", measured, hw, verdict,
+                                        "gloo processes sharing a CPU's cores: not the GPUs' scaling" if cpu else
+                                        "tokens/s a rank at this world size over one rank's, the batch a rank fixed"))
+        verdicts.append(Verdict("G3-T2", "exposed communication share of a step", "overlapped", "-", hw,
+                                "not measured yet", "needs a profiler trace of the step (issue 49)"))
+        verdicts.append(Verdict("G3-T2", "tensor parallelism (TP=2) rows", "-", "-", hw, "not measured yet",
+                                "tensor parallelism is not built yet (issue 49)"))
+        for row, fig in guide_figures()["G3-T2"]["figures"].items():
+            tokens = float(fig["tokens_per_s"])  # YAML 1.1 reads 180.0e3 as text
+            claim = f"{row}: {tokens / 1e3:g}K tokens/s, {fig['memory_gb']:g} GB at batch {fig['batch']}, sequence 2048"
+            if "A100" in row:
+                verdict, why = "not measurable here", "no A100 here"
+            elif row.startswith("8x"):
+                verdict, why = "not measured yet", "the 8-GPU rows are the 8-GPU issue's (50)"
+            else:
+                verdict, why = ("not measured yet", "the guide's row is its LTM model at batch 32; this study trains "
+                                "the presets named above at a fixed batch a rank, and reads them against each other")
+            verdicts.append(Verdict("G3-T2", claim, f"{tokens:.3g} tokens/s", "-", hw, verdict, why))
+    for _, r in reduce[reduce["metric"] == "busbw_gbps"].iterrows():
+        us = reduce[(reduce["case_id"] == r["case_id"]) & (reduce["metric"] == "allreduce_us")]["value"]
+        bus.append({"target": r["target"], "ranks": int(r["world_size"]), "what": r["reason"],
+                    "us a call": fmt(us.iloc[0] if len(us) else None), "bus GB/s": fmt(r["value"])})
+    md = ("Each preset trained in each layout at each world size, every run a torchrun job of its own "
+          "(`adaattn.distributed.train`; `docs/distributed.md`): `single` one rank, `ddp` DDP, `fsdp` FSDP2 (bf16 "
+          "compute, fp32 gradient reduction). The batch a rank is fixed (weak scaling), so N ranks train on N times "
+          "the tokens a step. tokens/s: every rank's tokens over the slowest rank's seconds; scaling efficiency: "
+          "tokens/s a rank at N ranks over one rank's, from jobs of the same run. Peak: the fullest rank's "
+          "allocated memory.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+    if bus:
+        md += ("\nAll-reduce bus bandwidth in the same run (`adaattn.distributed.allreduce`, nccl-tests' convention: "
+               "bytes over the slowest rank's time, times 2 (n - 1) / n): the ceiling for the gradients' "
+               "traffic.\n\n" + md_table(pd.DataFrame(bus)) + "\n")
+    return [Section("G3-T2", "Training Performance: one GPU and more (DDP, FSDP2), all-reduce bandwidth", md,
+                    verdicts)]
