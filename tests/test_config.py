@@ -130,7 +130,9 @@ def test_target_checks(repo):
     with pytest.raises(ConfigError, match=r"study 'kernels' has no target 'h200' .*its targets: cpu, h100"):
         check_study_target("kernels", params, "h200")
     check_study_target("kernels", params, "h100")
-    check_study_target("attention_backends", params, "h200")  # no study_targets entry: every target
+    check_study_target("attention_backends", params, "h200")
+    with pytest.raises(ConfigError, match=r"study .attention_backends. has no target .h100x2."):
+        check_study_target("attention_backends", params, "h100x2")
 
 
 def test_gpu_target_refused_without_that_gpu(repo, monkeypatch):

@@ -68,7 +68,8 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     work = tmp_path / "repo"
     _copy_repo(repo, work)
     params = yaml.safe_load((work / "params.yaml").read_text())
-    gpu_targets = [name for name, t in params["targets"].items() if t["device"] == "cuda"]
+    gpu_targets = [name for name in params["study_targets"]["attention_backends"]
+                   if params["targets"][name]["device"] == "cuda"]
     committed = {t: (work / f"results/attention_backends/{t}.csv").read_bytes() for t in gpu_targets}
     kernels_gpu = {t: (work / f"results/kernels/{t}.csv").read_bytes() for t in params["study_targets"]["kernels"]
                    if t in gpu_targets}
@@ -89,6 +90,8 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     params["mfu"]["cpu"]["side_by_side"] = {"budget_ms": 100, "min_rounds": 3, "max_rounds": 3}
     params["G3-T3"]["cpu"].update({"batches": [1], "prompt_len": 16, "new_tokens": 4,
                                    "side_by_side": {"budget_ms": 100, "min_rounds": 3, "max_rounds": 3}})
+    params["G3-T2"]["cpu"].update({"layouts": ["ddp"], "steps": 1, "warmup": 0, "seq_len": 32,
+                                   "allreduce_mib": [0.25]})
     params["G3-T1"]["cpu"].update({"seq_len": 128, "sweeps": {"batch": [1, 2], "memory_slots": [16, 32]}})
     params["G3-T4"]["cpu"].update({"contexts": [64, 256], "eval_contexts": [64], "recall_distances": [48],
                                    "recall_trials": 2, "train": {**params["G3-T4"]["cpu"]["train"], "batch": 2,
@@ -116,7 +119,8 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
 
     assert "Running stage 'models@g0_small'" in log and "Running stage 'training@h100'" not in log
     assert "Running stage 'train_results@h100'" not in log and "Running stage 'mfu@cpu'" in log
-    assert "Running stage 'memory_bank@cpu'" in log
+    assert "Running stage 'memory_bank@cpu'" in log and "Running stage 'distributed@cpu'" in log
+    assert "Running stage 'distributed@h100x2'" not in log
     assert "Running stage 'checkpointing@h100'" not in log and (work / "models/weights/cpu/dense_small.pt").is_file()
     for name in params["models"]:  # one card per preset (the committed ones, and the one built again)
         card = json.loads((work / f"models/{name}.json").read_text())

@@ -106,7 +106,10 @@ def _env() -> dict[str, str]:
 def _failed(done: subprocess.CompletedProcess | None, timeout_s: float, what: str) -> str:
     if done is None:
         return f"{what} outlasted G3-T2.timeout_s={timeout_s:g}"
-    return f"{what} exited {done.returncode}: {' '.join(done.stderr.split())[-300:]}"
+    # a rank's own error line, not torchrun's summary of it (which names no cause)
+    errors = [line for line in done.stderr.splitlines() if "Error" in line and "ChildFailedError" not in line
+              or line.startswith("error:")]
+    return f"{what} exited {done.returncode}: {(errors[-1] if errors else ' '.join(done.stderr.split()))[-300:]}"
 
 
 def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: Path, tmp: Path) -> list[dict]:

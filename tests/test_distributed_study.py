@@ -1,0 +1,96 @@
+"""The distributed training study (G3-T2) on the CPU: torchrun jobs over gloo give their rows (tokens/s, per rank,
+step time, loss; peak memory a row that says why not), the all-reduce's bus bandwidth in the same run, the
+report's scaling efficiency judged against the goal, a world size the machine lacks a row that says so; bad
+sections name their key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from adaattn.config import ConfigError, load_raw, validate
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
+TOY = {"models": ["dense_small"], "layouts": ["ddp"], "world_sizes": [1, 2], "batch_per_rank": 2, "seq_len": 16,
+       "steps": 1, "warmup": 0, "dtype": "fp32", "allreduce_mib": [0.25]}
+
+
+def _params(update=None):
+    raw = copy.deepcopy(load_raw(PARAMS))
+    # PyTorch's MLP and norm: the children inherit the tests' TRITON_INTERPRET, under which the kernels crawl
+    raw["models"]["dense_small"].update({"dim": 32, "n_layers": 2, "n_heads": 2, "mlp": "gelu", "norm": "layernorm"})
+    raw["G3-T2"]["cpu"] = {**TOY, **(update or {})}
+    return validate(raw)
+
+
+def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
+    from adaattn_experiments.distributed import STUDY
+    from adaattn_experiments.distributed_report import render
+
+    params = _params()
+    df = pd.DataFrame(STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
+    jobs = df[df["mode"] == "train"]
+    ok = jobs[jobs.status == "ok"]
+    assert set(ok.provider) == {"single", "ddp"}, jobs[jobs.status != "ok"].reason.tolist()
+    for layout, ws in (("single", 1), ("ddp", 2)):
+        mine = ok[ok.provider == layout].set_index("metric")["value"]
+        assert mine["tokens_per_s"] > 0 and mine["tokens_per_s_per_rank"] == pytest.approx(mine["tokens_per_s"] / ws)
+        assert mine["step_ms"] > 0 and mine["loss_last"] > 0
+        # weak scaling: the batch a rank fixed
+        assert (jobs[jobs.provider == layout].batch == 2 * ws).all()
+    peak = jobs[jobs.metric == "rank_peak_mem_mb"]
+    assert (peak.status == "unavailable").all() and peak.reason.str.contains("no CUDA").all()
+    bus = df[df.metric == "busbw_gbps"]
+    assert len(bus) == 1 and bus.value.iloc[0] > 0 and "gloo" in bus.reason.iloc[0]
+
+    cpu = df.assign(target="cpu", hardware="test cpu", cuda=None)
+    gpu = df.assign(target="h100x2", hardware="test gpu", cuda="13.0")
+    (section,) = render(pd.concat([cpu, gpu]), Path("."))
+    scaling = [v for v in section.verdicts if v.claim == "DDP x2 scaling efficiency (dense_small)"]
+    assert [v.verdict for v in scaling][0] == "not measurable here"  # gloo on a CPU's cores
+    per_rank = ok.set_index(["provider", "metric"])["value"]
+    eff = per_rank["ddp", "tokens_per_s_per_rank"] / per_rank["single", "tokens_per_s"]
+    want = "holds" if eff >= 0.95 else "worse than claimed"
+    assert scaling[1].verdict == want and scaling[1].measured.startswith(f"{eff:.3f}")
+
+
+def test_a_world_size_the_machine_lacks_is_a_row_that_says_so(monkeypatch):
+    import torch
+
+    from adaattn_experiments import distributed
+
+    params = _params({"world_sizes": [1, 2]})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    ran = []
+    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a: ran.append((layout, ws)) or [])
+    monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: pytest.fail("no all-reduce on one GPU"))
+    rows = distributed.STUDY.bind("cuda").extra_rows(params, params.targets["cpu"])
+    assert ran == [("single", 1)]
+    (row,) = rows
+    assert row["status"] == "unavailable" and row["reason"] == "world size 2 needs 2 GPUs; this machine has 1"
+
+
+def test_layouts_and_the_bus_factor():
+    from adaattn.distributed.allreduce import bus_factor
+    from adaattn_experiments.distributed import layout_sets
+
+    assert layout_sets("ddp", 2) == ["parallel.world_size=2", "parallel.dp=2", "parallel.fsdp=1", "parallel.tp=1"]
+    assert layout_sets("fsdp", 4)[1:3] == ["parallel.dp=1", "parallel.fsdp=4"]
+    assert layout_sets("single", 1)[:3] == ["parallel.world_size=1", "parallel.dp=1", "parallel.fsdp=1"]
+    assert (bus_factor(1), bus_factor(2), bus_factor(8)) == (0.0, 1.0, 1.75)
+
+
+@pytest.mark.parametrize("update, match", [
+    ({"world_sizes": [2]}, "world_sizes must hold 1"),
+    ({"layouts": ["ddp", "ddp"]}, "layouts must not repeat"),
+    ({"layouts": ["tp"]}, "layouts"),
+    ({"models": ["nope"]}, "G3-T2.cpu.models: 'nope' is not a preset"),
+    ({"seq_len": 100000}, "G3-T2.cpu.seq_len=100000 is over models.dense_small.max_seq_len"),
+])
+def test_bad_sections_name_their_key(update, match):
+    with pytest.raises((ConfigError, ValueError), match=match):
+        _params(update)
