@@ -659,7 +659,9 @@ class DistributedRun(_Section):
     ``world_sizes`` (one GPU, or CPU process over gloo, a rank), every run a torchrun job of its own
     (``adaattn.distributed.train``); at world size 1 one run, the baseline of both layouts. The batch per rank is
     fixed (weak scaling: ``batch_per_rank`` x data-parallel ranks a step), ``seq_len`` tokens a sequence,
-    ``warmup`` untimed steps, then ``steps`` timed. NCCL's (gloo's) all-reduce bus bandwidth at each of
+    ``warmup`` untimed steps, then ``steps`` timed, then on GPUs ``trace_steps`` traced (the share of a step's
+    communication no computation hid). ``repeats`` rounds of every job, the layouts interleaved in each round:
+    the scaling efficiency is read per round. NCCL's (gloo's) all-reduce bus bandwidth at each of
     ``allreduce_mib`` in the same run, at the largest world size: the ceiling for the gradients' traffic."""
 
     models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
@@ -671,6 +673,8 @@ class DistributedRun(_Section):
     warmup: NonNegativeInt = 2
     dtype: Literal["bf16", "fp32"] = "bf16"
     allreduce_mib: Annotated[list[PositiveFloat], Field(min_length=1)]
+    repeats: PositiveInt = 1  # every job this many times, the layouts' jobs interleaved in each round
+    trace_steps: NonNegativeInt = 0  # GPU: steps after the timed ones, traced: the exposed communication
     timeout_s: float = Field(300, gt=0)  # one torchrun job
 
     @model_validator(mode="after")

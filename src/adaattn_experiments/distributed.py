@@ -72,19 +72,23 @@ class Distributed(StudyDef):
             params_file = Path(tmp) / "params.yaml"
             params_file.write_text(yaml.safe_dump(params.model_dump(by_alias=True, mode="json", exclude_none=True),
                                                   sort_keys=False))
-            for model in run.models:
-                for ws in run.world_sizes:
-                    for layout in [SINGLE] if ws == 1 else run.layouts:
-                        base = {"table_id": "G3-T2", "kernel": "", "model": model, "world_size": ws,
-                                "batch": run.batch_per_rank * ws, "seq_len": run.seq_len, "mode": "train",
-                                "case_id": f"distributed/{model}/x{ws}", "provider": layout}
-                        if held is not None and ws > held:
-                            rows.append({**base, "metric": "tokens_per_s", "value": None, "unit": "tokens/s",
-                                         "status": "unavailable",
-                                         "reason": f"world size {ws} needs {ws} GPUs; this machine has {held}"})
-                            continue
-                        self.note(f"{model} {layout} x{ws}: a torchrun job")
-                        rows += [{**base, **r} for r in run_job(model, layout, ws, run, params_file, Path(tmp))]
+            for rnd in range(run.repeats):  # rounds: a slow spell of the machine falls on every layout alike
+                trace = run.trace_steps if rnd == run.repeats - 1 else 0
+                for model in run.models:
+                    for ws in run.world_sizes:
+                        for layout in [SINGLE] if ws == 1 else run.layouts:
+                            base = {"table_id": "G3-T2", "kernel": "", "model": model, "world_size": ws,
+                                    "batch": run.batch_per_rank * ws, "seq_len": run.seq_len, "mode": "train",
+                                    "case_id": f"distributed/{model}/x{ws}/r{rnd}", "provider": layout}
+                            if held is not None and ws > held:
+                                if rnd == 0:
+                                    rows.append({**base, "metric": "tokens_per_s", "value": None, "unit": "tokens/s",
+                                                 "status": "unavailable", "reason": f"world size {ws} needs {ws} "
+                                                 f"GPUs; this machine has {held}"})
+                                continue
+                            self.note(f"round {rnd + 1}/{run.repeats}: {model} {layout} x{ws}, a torchrun job")
+                            rows += [{**base, **r} for r in run_job(model, layout, ws, run, params_file, Path(tmp),
+                                                                    trace)]
             largest = max(w for w in run.world_sizes if held is None or w <= held)
             if largest > 1:
                 self.note(f"all-reduce bus bandwidth x{largest}")
@@ -112,11 +116,13 @@ def _failed(done: subprocess.CompletedProcess | None, timeout_s: float, what: st
     return f"{what} exited {done.returncode}: {(errors[-1] if errors else ' '.join(done.stderr.split()))[-300:]}"
 
 
-def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: Path, tmp: Path) -> list[dict]:
+def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: Path, tmp: Path,
+            trace_steps: int = 0) -> list[dict]:
     out = tmp / f"{model}-{layout}-{ws}.json"
+    out.unlink(missing_ok=True)  # a failed job must not leave the round before's file to be read
     args = ["--model", model, "--batch", str(run.batch_per_rank * ws), "--seq-len", str(run.seq_len),
             "--steps", str(run.steps), "--warmup", str(run.warmup), "--dtype", run.dtype,
-            "--params", str(params_file), "--out", str(out)]
+            "--params", str(params_file), "--out", str(out), "--trace-steps", str(trace_steps)]
     for s in layout_sets(layout, ws):
         args += ["--set", s]
     try:
@@ -138,7 +144,23 @@ def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: 
             {"metric": "rank_peak_mem_mb", "value": job["peak_mib_max"], "unit": "MiB",
              **({"status": "unavailable", "reason": "CPU processes: no CUDA allocator statistics"}
                 if job["device"] != "cuda" else {**ok, "reason": "the fullest rank's peak allocated memory"})},
-            {**ok, "metric": "loss_last", "value": job["losses"][-1], "unit": "nats"}]
+            {**ok, "metric": "loss_last", "value": job["losses"][-1], "unit": "nats"},
+            *trace_rows(job.get("trace"))]
+
+
+def trace_rows(trace: list[dict] | None) -> list[dict]:
+    """The traced steps' communication, the rank that waited on it most: NCCL kernel time a step, the part no
+    other kernel ran beside (exposed), and that over the step's GPU span."""
+    if not trace:
+        return []
+    worst = max(trace, key=lambda r: r["exposed_ms"] / r["span_ms"] if r["span_ms"] else 0.0)
+    steps = worst["steps"]
+    why = f"{steps} traced steps, the rank of the largest exposed share"
+    return [{"status": "ok", "metric": "comm_ms", "value": worst["comm_ms"] / steps, "unit": "ms", "reason": why},
+            {"status": "ok", "metric": "exposed_comm_ms", "value": worst["exposed_ms"] / steps, "unit": "ms",
+             "reason": why},
+            {"status": "ok", "metric": "exposed_comm_share", "value": worst["exposed_ms"] / worst["span_ms"]
+             if worst["span_ms"] else None, "unit": "fraction", "reason": why}]
 
 
 def allreduce_rows(ws: int, run: DistributedRun, tmp: Path) -> list[dict]:

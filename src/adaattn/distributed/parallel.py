@@ -113,3 +113,33 @@ def gather_stats(mine: RankStats) -> dict:
     total = tokens / slowest if slowest > 0 else float("nan")
     return {"ranks": ranks, "tokens_per_s": total, "tokens_per_s_per_rank": total / len(ranks),
             "peak_mib_max": max(r["peak_mib"] for r in ranks)}
+
+
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def exposed_communication(kernels: list[tuple[str, int, int]]) -> dict[str, float]:
+    """From a trace's GPU kernels (name, start ns, duration ns) of some training steps: the time collective kernels
+    (NCCL's) ran, the part of it no other kernel ran beside (communication the step waited on: exposed), and the
+    span from the first kernel's start to the last one's end; in ms."""
+    comm = _merged([(s, s + d) for name, s, d in kernels if "nccl" in name.lower()])
+    work = _merged([(s, s + d) for name, s, d in kernels if "nccl" not in name.lower()])
+    exposed, j = 0, 0
+    for start, end in comm:
+        covered = 0
+        while j < len(work) and work[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(work) and work[k][0] < end:
+            covered += min(end, work[k][1]) - max(start, work[k][0])
+            k += 1
+        exposed += (end - start) - covered
+    span = (max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)) if kernels else 0
+    return {"comm_ms": sum(e - s for s, e in comm) / 1e6, "exposed_ms": exposed / 1e6, "span_ms": span / 1e6}

@@ -25,7 +25,8 @@ from rich.console import Console
 from torch.distributed.tensor import DTensor
 
 from adaattn.config import ConfigError, load_params
-from adaattn.distributed.parallel import RankStats, check_layout, gather_stats, init_mesh, parallelize
+from adaattn.distributed.parallel import (RankStats, check_layout, exposed_communication, gather_stats, init_mesh,
+                                         parallelize)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -90,6 +91,8 @@ def main(
     out: Annotated[Path | None, typer.Option(help="JSON of the run (rank 0 writes it)")] = None,
     load: Annotated[Path | None, typer.Option(help="a checkpoint folder to resume from (any layout's)")] = None,
     save: Annotated[Path | None, typer.Option(help="a folder to write the checkpoint to after the steps")] = None,
+    trace_steps: Annotated[int, typer.Option(min=0, help="steps after the timed ones traced on the GPU: the "
+                                             "exposed share of communication")] = 0,
 ) -> None:
     """Train ``--model`` for ``--steps`` in params.yaml's ``parallel`` layout."""
     console = Console(stderr=True, soft_wrap=True)  # each rank's lines whole in a launcher's log
@@ -157,14 +160,28 @@ def main(
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
         stats = gather_stats(RankStats(dist.get_rank(), steps * per_rank * seq_len, seconds, peak))
+        comm = None
+        if trace_steps and device.type == "cuda":
+            # after the timed steps, so the profiler costs them nothing; every rank traces its own GPU
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(trace_steps):
+                    tokens = batch(corpus.train, batch_size, seq_len, g)[share * per_rank:(share + 1) * per_rank]
+                    trainer.train_step(tokens)
+                sync()
+            kernels = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
+                       if e.device_type() == torch.autograd.DeviceType.CUDA]
+            comm = [None] * dist.get_world_size()
+            dist.all_gather_object(comm, {**exposed_communication(kernels), "steps": trace_steps})
         digest = weights_digest(net)
         if save is not None:
-            checkpoint(save, net, optimizer, done + warmup + steps)
+            checkpoint(save, net, optimizer, done + warmup + steps + (trace_steps if comm else 0))
         if dist.get_rank() == 0:
             run = {"model": model, "layout": layout.model_dump(), "steps": steps, "warmup": warmup,
                    "batch": batch_size, "seq_len": seq_len, "dtype": dtype, "device": device.type,
                    "losses": [float(x) for x in losses], "weights": digest, "resumed_at": done,
-                   "loaded_weights": loaded, **stats}
+                   "loaded_weights": loaded, "trace": comm, **stats}
             console.print(f"{model} {layout.model_dump()}: {stats['tokens_per_s']:.0f} tokens/s "
                           f"({stats['tokens_per_s_per_rank']:.0f} a rank), peak {stats['peak_mib_max']:.0f} MiB")
             if out is not None:

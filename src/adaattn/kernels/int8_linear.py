@@ -14,8 +14,8 @@ H100 (``reports/inference.md``). Two kernels, both reading each int8 tile once:
 More rows than that (prefill) is compute-bound: the cast and cuBLAS, as the reference. The per-channel
 scale and the bias are applied to the fp32 accumulator before the one cast and store. Configs are tuned as
 the other kernels' are (``runtime.TunedLaunch``: CUPTI kernel times, not ``triton.autotune``'s per-call
-events, whose noise at few-us kernels exceeds the differences between configs), by the weight's size; N and K are runtime
-arguments, so one compiled kernel serves every layer shape.
+events, whose noise at few-us kernels exceeds the differences between configs), by the weight's size; N and K
+are runtime arguments, so one compiled kernel serves every layer shape.
 """
 
 from __future__ import annotations
