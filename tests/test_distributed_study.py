@@ -54,7 +54,7 @@ def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
     per_rank = ok.set_index(["provider", "metric"])["value"]
     eff = per_rank["ddp", "tokens_per_s_per_rank"] / per_rank["single", "tokens_per_s"]
     want = "holds" if eff >= 0.95 else "worse than claimed"
-    assert scaling[1].verdict == want and scaling[1].measured == f"median {eff:.3g} over 1 rounds"
+    assert scaling[1].verdict == want and scaling[1].measured == f"median {eff:.3g} over 1 round"
 
 
 def test_the_efficiency_is_read_round_by_round():

@@ -58,7 +58,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                            else judge((eff[1], eff[2]), (goal, None), True))
                 verdicts.append(Verdict("G3-T2", claim, f">= {goal:g}",
                                         "-" if eff is None else interval_text(*eff, unit="") + f" over {len(effs)} "
-                                        "rounds", hw, verdict,
+                                        f"round{'s' if len(effs) != 1 else ''}", hw, verdict,
                                         "gloo processes sharing a CPU's cores: not the GPUs' scaling" if cpu else
                                         "tokens/s a rank at this world size over one rank's in the same round, the "
                                         "batch a rank fixed"))
