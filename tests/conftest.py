@@ -66,3 +66,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def pytorch_kernels(monkeypatch):
+    """The PyTorch references in place of the Triton kernels, in this process and the processes it starts: a study
+    test at toy size then runs its model's RoPE and norms without Triton's interpreter (minutes of CI time a test;
+    the kernels have tests of their own)."""
+    from adaattn.kernels import runtime
+
+    monkeypatch.setenv(runtime.ENV_DISABLE, "1")
+    monkeypatch.setattr(runtime, "_use_triton", False)

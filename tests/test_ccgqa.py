@@ -13,6 +13,7 @@ import pytest
 from adaattn.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
+pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
 TOY = {"models": ["hydra_small"], "seq_lens": [16, 32], "tokens": 64, "compile_modes": [], "dtype": "fp32",
        "side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 3}}
 

@@ -14,13 +14,14 @@ import pytest
 from adaattn.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
+pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
 TOY = {"models": ["dense_small"], "layouts": ["ddp"], "world_sizes": [1, 2], "batch_per_rank": 2, "seq_len": 16,
        "steps": 1, "warmup": 0, "dtype": "fp32", "allreduce_mib": [0.25]}
 
 
 def _params(update=None):
     raw = copy.deepcopy(load_raw(PARAMS))
-    # PyTorch's MLP and norm: the children inherit the tests' TRITON_INTERPRET, under which the kernels crawl
+    # PyTorch's MLP and norm (and the fixture: RoPE), in the children too
     raw["models"]["dense_small"].update({"dim": 32, "n_layers": 2, "n_heads": 2, "mlp": "gelu", "norm": "layernorm"})
     raw["G3-T2"]["cpu"] = {**TOY, **(update or {})}
     return validate(raw)

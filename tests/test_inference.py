@@ -13,6 +13,7 @@ import torch
 from adaattn.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
+pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
 TOY = {"model": "dense_small", "batches": [1, 2], "prompt_len": 8, "new_tokens": 4, "dtype": "fp32",
        "configs": ["base", "flash", "int8", "compiled", "compiled_int8", "no_cache"],
        "side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 3}}

@@ -12,6 +12,12 @@ import torch
 from adaattn import kernels as K
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test draws the same inputs whatever ran before it in its process (pytest-xdist deals tests out)."""
+    torch.manual_seed(0)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # (atol, rtol) for outputs and input gradients vs the fp32 reference, by dtype
 TOL = {"fp32": (1e-5, 1e-5), "fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}

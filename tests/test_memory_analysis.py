@@ -14,6 +14,7 @@ import pytest
 from adaattn.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
+pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
 TOY = {"model": "ltm_small", "batch": 1, "seq_len": 32, "dtype": "fp32",
        "sweeps": {"batch": [1, 2], "seq_len": [32, 64], "memory_slots": [8, 16], "dim": [32, 64], "n_layers": [1, 2]}}
 

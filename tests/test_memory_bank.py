@@ -14,6 +14,7 @@ import torch
 from adaattn.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
+pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
 # PyTorch's MLP and norm: the zoo's kernels run interpreted under the tests' TRITON_INTERPRET
 SMALL = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "vocab_size": 64, "mlp": "gelu", "norm": "layernorm"}
 TOY = {"models": {"standard": "ltm_small_dense", "window": "ltm_small_window", "ltm": "ltm_small"}, "batch": 1,

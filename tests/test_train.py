@@ -15,6 +15,7 @@ import torch
 from adaattn.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
+pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
 TOY = {"batch": 2, "seq_len": 32, "steps": 6, "lr": 0.003, "warmup": 2, "log_every": 2, "eval_every": 3,
        "eval_batches": 2, "dtype": "fp32"}
 
