@@ -4,6 +4,7 @@ left alone, an LTM model refused."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from adaattn.models import ModelConfig, Transformer
@@ -60,8 +61,6 @@ def _int8_problem(rows: int, n_out: int, k_in: int, dtype: torch.dtype, bias: bo
         q.bias.copy_(torch.randn(n_out, generator=g).to(dtype))
     return q, torch.randn(rows, k_in, generator=g).to(dtype)
 
-
-import pytest  # noqa: E402
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 65])

@@ -9,8 +9,7 @@ import pandas as pd
 
 from adaattn.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge, knobs,
                                    md_table, median_interval)
-
-SINGLE = "single"
+from adaattn_experiments.distributed import SINGLE
 
 
 def _median(frame: pd.DataFrame, metric: str):

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import typer
 
-from adaattn.distributed.parallel import multicast_off
+from adaattn.config import Layout
+from adaattn.distributed.parallel import init_mesh
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -66,17 +67,15 @@ def main(
     if any(m <= 0 for m in mib):
         typer.echo(f"error: --mib must be > 0; got {mib}", err=True)
         raise typer.Exit(2)
-    multicast_off()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world_size = int(os.environ["WORLD_SIZE"])
+    mesh = init_mesh(Layout(world_size=world_size, dp=world_size))  # multicast off, a GPU a rank, NCCL or gloo
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     try:
         sizes = [measure(m, warmup, iters, device) for m in mib]
         if dist.get_rank() == 0:
-            run = {"world_size": dist.get_world_size(), "backend": dist.get_backend(), "sizes": sizes}
+            # the default group may serve both devices ("undefined" to get_backend): named by the buffers' device
+            run = {"world_size": dist.get_world_size(), "backend": "nccl" if device.type == "cuda" else "gloo",
+                   "sizes": sizes}
             for s in sizes:
                 typer.echo(f"all-reduce {s['mib']:.0f} MiB x{run['world_size']}: {s['us']:.0f} us, "
                            f"bus {s['busbw_gbps']:.1f} GB/s", err=True)
