@@ -2,9 +2,9 @@
 
 Decoding at small batch reads every weight once per token, so its time is the weights' bytes over memory
 bandwidth; int8 weights halve them only if the matmul reads the int8 bytes themselves. Casting W to the
-activation dtype first (``F.linear(x, W.to(x.dtype))``) writes and reads a full-precision copy every call,
-and inductor's own lowering of that cast into a small-M matmul was several times slower than bf16 on the
-H100 (``reports/inference.md``). Two kernels, both reading each int8 tile once:
+activation dtype first (``F.linear(x, W.to(x.dtype))``) writes and reads a full-precision copy every call
+unless a compiler folds the cast into the matmul's loads; these kernels do so by construction. Two kernels,
+both reading each int8 tile once:
 
 - one row (batch-1 decode): a GEMV, each program BLOCK_N output channels, a multiply and a row sum over
   BLOCK_K-wide tiles of W in fp32 (no tensor cores: one row would use 1/16 of an MMA);
