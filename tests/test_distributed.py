@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from adaattn.config import ConfigError, Layout, load_raw, validate
@@ -23,6 +24,10 @@ def params_file(tmp_path_factory) -> Path:
     raw = copy.deepcopy(load_raw(PARAMS))
     # PyTorch's MLP and norm, two layers: the layouts' arithmetic, not the kernels, is under test
     raw["models"]["dense_small"].update({"dim": 32, "n_layers": 2, "n_heads": 2, "mlp": "gelu", "norm": "layernorm"})
+    # Llama's shape in small: GQA (4 query heads, 2 kv heads) and SwiGLU's fused gate-up, which tensor parallelism
+    # reorders by rank
+    raw["models"]["llama_tiny"] = {**raw["models"]["dense_small"], "n_heads": 4, "n_kv_heads": 2, "mlp": "swiglu",
+                                   "mlp_hidden": 64, "norm": "rmsnorm"}
     path = tmp_path_factory.mktemp("dist") / "params.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -69,6 +74,45 @@ def test_ddp_and_fsdp2_train_as_one_process_does(params_file, tmp_path, model, s
         assert_same_training(hsdp, one)  # two replicas of two shards each
 
 
+@pytest.mark.parametrize("model", ["dense_small", "llama_tiny"])
+def test_tensor_parallelism_trains_and_decodes_as_one_process_does(params_file, tmp_path, model):
+    one = run(params_file, tmp_path / "one.json", 1, model=model)
+    tp = run(params_file, tmp_path / "tp.json", 2, model=model, tp=2)
+    assert_same_training(tp, one)
+    # one batch shared by the pair: each rank is credited half its tokens
+    assert [r["tokens"] for r in tp["ranks"]] == [3 * 4 * 32 / 2] * 2
+    outs = {}
+    # one process; two with plain local shards (the default); two with DTensor's (the training path's)
+    for name, n, shards in (("one", 1, "local"), ("local", 2, "local"), ("dtensor", 2, "dtensor")):
+        done = decode(params_file, tmp_path / f"{name}.json", n, model=model, shards=shards, tp=n)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert len(outs["one"]["tokens"][0]) == 6
+    for name in ("local", "dtensor"):
+        assert outs[name]["tokens"] == outs["one"]["tokens"] and outs[name]["shards"] == name
+        gap = (torch.tensor(outs[name]["last_logits"]) - torch.tensor(outs["one"]["last_logits"])).abs().max()
+        assert gap < 1e-5, name
+        assert outs[name]["layout"]["tp"] == 2 and len(outs[name]["decode_ms_per_token"]) == 1
+
+
+def decode(params: Path, out: Path, nproc: int, model: str = "dense_small", shards: str = "local", **layout: int):
+    sets = [f"parallel.{k}={v}" for k, v in {"world_size": nproc, **layout}.items()]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "adaattn.distributed.decode", "--model", model, "--batch", "2", "--prompt-len", "8", "--new-tokens",
+           "6", "--rounds", "1", "--dtype", "fp32", "--shards", shards, "--params", str(params), "--out", str(out),
+           *[a for s in sets for a in ("--set", s)]]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_tensor_parallel_run_refuses_checkpoints_and_decode_refuses_data_parallelism(params_file, tmp_path):
+    done = torchrun(params_file, tmp_path / "x.json", 2, tp=2, extra=("--save", str(tmp_path / "ck")))
+    assert done.returncode != 0 and "checkpoints run with tp=1" in " ".join(done.stderr.split())
+    done = decode(params_file, tmp_path / "y.json", 2, dp=2)
+    assert done.returncode != 0 and "decoding runs one process or tensor parallelism" in " ".join(done.stderr.split())
+    assert "ProcessGroup" not in done.stderr and not (tmp_path / "y.json").exists()
+
+
 def test_a_checkpoint_saved_at_world_size_2_resumes_at_world_size_1(params_file, tmp_path):
     folder = tmp_path / "ckpt"
     saved = run(params_file, tmp_path / "a.json", 2, fsdp=2, extra=("--save", str(folder)))
@@ -103,8 +147,16 @@ def test_bad_layouts_name_the_key():
     cfg = validate(raw).models["llama_1b"]
     with pytest.raises(ConfigError, match=r"parallel.world_size=4 must be dp x fsdp x tp = 2 x 1 x 1 = 2"):
         validate({**raw, "parallel": {"world_size": 4, "dp": 2}})
-    with pytest.raises(ConfigError, match="parallel.tp=2: tensor parallelism is not built yet; allowed: 1"):
-        check_layout(Layout(world_size=2, tp=2), cfg, "llama_1b", world_size=2)
+    check_layout(Layout(world_size=2, tp=2), cfg, "llama_1b", world_size=2)  # whole heads and MLP units a rank
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 must divide models.llama_1b's n_heads \(32\)"):
+        check_layout(Layout(world_size=3, tp=3), cfg, "llama_1b", world_size=3)
+    with pytest.raises(ConfigError, match=r"parallel.tp=8 must divide models.llama_1b's kv heads \(4\)"):
+        check_layout(Layout(world_size=8, tp=8), cfg, "llama_1b", world_size=8)
+    with pytest.raises(ConfigError, match="tensor parallelism runs alone for now"):
+        check_layout(Layout(world_size=4, fsdp=2, tp=2), cfg, "llama_1b", world_size=4)
+    hydra = validate(raw).models["hydra_1b"]
+    with pytest.raises(ConfigError, match="attention='ccgqa'"):
+        check_layout(Layout(world_size=2, tp=2), hydra, "hydra_1b", world_size=2)
     with pytest.raises(ConfigError, match="but 1 process was started"):
         check_layout(Layout(world_size=2, fsdp=2), cfg, "llama_1b", world_size=1)
     check_layout(Layout(world_size=2, fsdp=2), cfg, "llama_1b", world_size=2)  # a good one passes

@@ -1,7 +1,7 @@
-"""The distributed training study (G3-T2) on the CPU: torchrun jobs over gloo give their rows (tokens/s, per rank,
-step time, loss; peak memory a row that says why not), the all-reduce's bus bandwidth in the same run, the
-report's scaling efficiency judged against the goal, a world size the machine lacks a row that says so; bad
-sections name their key."""
+"""The distributed study (G3-T2, G3-T3's TP row) on the CPU: torchrun jobs over gloo give their rows (tokens/s, per
+rank, step time, loss; peak memory a row that says why not; tensor-parallel decode times), the all-reduce's bus
+bandwidth in the same run, the report's scaling efficiency and TP decode ratio judged against the goals, a world
+size the machine lacks and a layout a preset cannot run rows that say so; bad sections name their key."""
 
 from __future__ import annotations
 
@@ -31,17 +31,25 @@ def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
     from adaattn_experiments.distributed import STUDY
     from adaattn_experiments.distributed_report import render
 
-    params = _params()
+    decode = {"model": "dense_small", "batches": [1], "prompt_len": 8, "new_tokens": 4, "rounds": 1}
+    params = _params({"layouts": ["ddp", "tp"], "decode": decode})
     df = pd.DataFrame(STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
     jobs = df[df["mode"] == "train"]
     ok = jobs[jobs.status == "ok"]
-    assert set(ok.provider) == {"single", "ddp"}, jobs[jobs.status != "ok"].reason.tolist()
-    for layout, ws in (("single", 1), ("ddp", 2)):
+    assert set(ok.provider) == {"single", "ddp", "tp"}, jobs[jobs.status != "ok"].reason.tolist()
+    for layout, ws in (("single", 1), ("ddp", 2), ("tp", 2)):
         mine = ok[ok.provider == layout].set_index("metric")["value"]
         assert mine["tokens_per_s"] > 0 and mine["tokens_per_s_per_rank"] == pytest.approx(mine["tokens_per_s"] / ws)
         assert mine["step_ms"] > 0 and mine["loss_last"] > 0
-        # weak scaling: the batch a rank fixed
+        # weak scaling: the batch a rank fixed (a tensor-parallel pair shares the pair's batch)
         assert (jobs[jobs.provider == layout].batch == 2 * ws).all()
+    # both two-rank layouts train the same weights on the same batch of 4: one loss
+    loss = ok[ok.metric == "loss_last"].set_index("provider")["value"]
+    assert loss["tp"] == pytest.approx(loss["ddp"], rel=1e-5)
+    dec = df[df["mode"] == "decode"]
+    assert set(dec[dec.status == "ok"].provider) == {"single", "tp"}, dec[dec.status != "ok"].reason.tolist()
+    ms = dec[dec.metric == "decode_ms_per_token"]
+    assert (ms.value > 0).all() and (ms.table_id == "G3-T3").all() and ms.reason.str.contains("eager").all()
     peak = jobs[jobs.metric == "rank_peak_mem_mb"]
     assert (peak.status == "unavailable").all() and peak.reason.str.contains("no CUDA").all()
     bus = df[df.metric == "busbw_gbps"]
@@ -49,7 +57,14 @@ def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
 
     cpu = df.assign(target="cpu", hardware="test cpu", cuda=None)
     gpu = df.assign(target="h100x2", hardware="test gpu", cuda="13.0")
-    (section,) = render(pd.concat([cpu, gpu]), Path("."))
+    section, tp = render(pd.concat([cpu, gpu]), Path("."))
+    assert not [v for v in section.verdicts if "TP" in v.claim or "tensor" in v.claim]  # the goal is DDP's, FSDP2's
+    assert "| tp " in section.markdown or "| tp |" in section.markdown
+    goal = [v for v in tp.verdicts if v.claim == "TP=2 batch-1 decode ms a token over one GPU's (dense_small)"]
+    assert [v.verdict for v in goal][0] == "not measurable here"
+    one, two = (ms[ms.world_size == w].value.iloc[0] for w in (1, 2))
+    assert goal[1].measured == f"{two / one:.3g}"
+    assert goal[1].verdict == ("holds" if two / one <= 0.6 else "worse than claimed")
     scaling = [v for v in section.verdicts if v.claim == "DDP x2 scaling efficiency (dense_small)"]
     assert [v.verdict for v in scaling][0] == "not measurable here"  # gloo on a CPU's cores
     per_rank = ok.set_index(["provider", "metric"])["value"]
@@ -109,16 +124,35 @@ def test_layouts_and_the_bus_factor():
     assert layout_sets("ddp", 2) == ["parallel.world_size=2", "parallel.dp=2", "parallel.fsdp=1", "parallel.tp=1"]
     assert layout_sets("fsdp", 4)[1:3] == ["parallel.dp=1", "parallel.fsdp=4"]
     assert layout_sets("single", 1)[:3] == ["parallel.world_size=1", "parallel.dp=1", "parallel.fsdp=1"]
+    assert layout_sets("tp", 2) == ["parallel.world_size=2", "parallel.dp=1", "parallel.fsdp=1", "parallel.tp=2"]
     assert (bus_factor(1), bus_factor(2), bus_factor(8)) == (0.0, 1.0, 1.75)
 
 
 @pytest.mark.parametrize("update, match", [
     ({"world_sizes": [2]}, "world_sizes must hold 1"),
     ({"layouts": ["ddp", "ddp"]}, "layouts must not repeat"),
-    ({"layouts": ["tp"]}, "layouts"),
+    ({"layouts": ["pp"]}, "layouts"),
+    ({"decode": {"model": "nope", "batches": [1], "prompt_len": 4, "new_tokens": 2}},
+     "G3-T2.cpu.decode.models: 'nope' is not a preset"),
+    ({"decode": {"model": "hydra_small", "batches": [1], "prompt_len": 4, "new_tokens": 2}},
+     "G3-T2.cpu.decode.model 'hydra_small': attention='ccgqa'"),
     ({"models": ["nope"]}, "G3-T2.cpu.models: 'nope' is not a preset"),
     ({"seq_len": 100000}, "G3-T2.cpu.seq_len=100000 is over models.dense_small.max_seq_len"),
 ])
 def test_bad_sections_name_their_key(update, match):
     with pytest.raises((ConfigError, ValueError), match=match):
         _params(update)
+
+
+def test_a_layout_a_preset_cannot_run_is_a_row_that_says_so(monkeypatch):
+    from adaattn_experiments import distributed
+
+    params = _params({"models": ["hydra_small"], "layouts": ["tp"], "seq_len": 16})
+    ran = []
+    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a: ran.append((layout, ws)) or [])
+    monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: [])
+    rows = distributed.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    assert ran == [("single", 1)]  # no job started for the layout the check refused
+    (row,) = rows
+    assert row["provider"] == "tp" and row["status"] == "unavailable"
+    assert "tensor parallelism shards the dense Attention" in row["reason"] and "ccgqa" in row["reason"]

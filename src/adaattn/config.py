@@ -651,7 +651,20 @@ class G3T3Section(ByProfile):
     gpu: InferenceSweep
 
 
-DISTRIBUTED_LAYOUTS = ("ddp", "fsdp")
+DISTRIBUTED_LAYOUTS = ("ddp", "fsdp", "tp")
+
+
+class DistributedDecode(_Section):
+    """G3-T3's +TensorParallel row: ``model`` decoded on one GPU and tensor-parallel over each world size of the
+    study (``adaattn.distributed.decode``): a ``prompt_len`` prefill and ``new_tokens`` greedy steps a round, at
+    each of ``batches``, ``rounds`` timed rounds after one untimed; the step compiled with CUDA graphs on GPUs."""
+
+    model: str  # a preset of `models`: a dense decoder
+    batches: Annotated[list[PositiveInt], Field(min_length=1)]
+    prompt_len: PositiveInt
+    new_tokens: Annotated[int, Field(ge=2)]
+    rounds: PositiveInt = 3
+    compile: bool = True
 
 
 class DistributedRun(_Section):
@@ -676,6 +689,7 @@ class DistributedRun(_Section):
     repeats: PositiveInt = 1  # every job this many times, the layouts' jobs interleaved in each round
     trace_steps: NonNegativeInt = 0  # GPU: steps after the timed ones, traced: the exposed communication
     timeout_s: float = Field(300, gt=0)  # one torchrun job
+    decode: DistributedDecode | None = None  # G3-T3's +TensorParallel row
 
     @model_validator(mode="after")
     def _lists(self) -> DistributedRun:
@@ -844,6 +858,7 @@ class Verdicts(_Section):
     decode_roofline: float = Field(0.80, gt=0, le=1)  # G3-T3: batch-1 decode's bytes / time over the copy bandwidth
     int8_decode_speedup: float = Field(1.7, gt=0)  # G3-T3: INT8 weight-only decode over bf16's, batch 1, compiled
     scaling_efficiency: float = Field(0.95, gt=0, le=1)  # G3-T2: tokens/s per GPU at N GPUs over one GPU's
+    tp_decode_latency: float = Field(0.6, gt=0)  # G3-T3: TP=2 batch-1 decode ms a token over one GPU's, at most
     exponent_tolerance: float = Field(0.15, ge=0)  # G3-T1: a fitted exponent within this fraction of the O()'s
     ltm_memory_ratio: float = Field(8.0, gt=1)  # G3-T4: the standard model's memory at 32K over the LTM model's
 
@@ -950,6 +965,15 @@ class Params(BaseModel):
             run = getattr(self.g3_t2, profile) if self.g3_t2 else None
             for name in run.models if run else ():
                 self._check_preset(f"G3-T2.{profile}", name, run.seq_len)
+            if run is not None and run.decode is not None:
+                dec = run.decode
+                self._check_preset(f"G3-T2.{profile}.decode", dec.model, dec.prompt_len + dec.new_tokens)
+                from adaattn.models.generate import check_decodable
+
+                try:
+                    check_decodable(self.models[dec.model])
+                except ValueError as err:
+                    raise ValueError(f"G3-T2.{profile}.decode.model {dec.model!r}: {err}") from None
         for profile in ("cpu", "gpu"):
             run = getattr(self.allocator, profile) if self.allocator else None
             if run is not None:

@@ -1,7 +1,8 @@
-"""The distributed training study (G3-T2, issue 49's scaling goal): each preset trained in each layout at each
-world size, every run a torchrun job of its own (``adaattn.distributed.train``: one process a GPU, NCCL; CPU
-processes over gloo), then the all-reduce bus bandwidth at the largest world size (``adaattn.distributed.
-allreduce``) in the same run: the ceiling for the gradients' traffic.
+"""The distributed study (G3-T2, issue 49's goals): each preset trained in each layout (DDP, FSDP2, tensor
+parallelism) at each world size, every run a torchrun job of its own (``adaattn.distributed.train``: one process a
+GPU, NCCL; CPU processes over gloo); then G3-T3's +TensorParallel row, a dense preset decoded on one GPU and
+tensor-parallel (``adaattn.distributed.decode``); then the all-reduce bus bandwidth at the largest world size
+(``adaattn.distributed.allreduce``) in the same run: the ceiling for the gradients' traffic.
 
 Weak scaling: the batch per rank is fixed, so a layout of N ranks trains on N times the tokens a step. Per job:
 the whole job's tokens/s (every rank's tokens over the slowest rank's seconds), per rank, the fullest rank's peak
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,17 +26,33 @@ import torch
 import yaml
 
 from adaattn.bench.runner import StudyDef, target_sections
-from adaattn.config import DistributedRun, Params, Target
-from adaattn.distributed.parallel import multicast_off
+from adaattn.config import ConfigError, DistributedRun, Layout, Params, Target
+from adaattn.distributed.parallel import check_layout, multicast_off
 from adaattn.report.common import Section
 
 SINGLE = "single"  # the one-rank baseline of every layout
 
 
+def layout_of(layout: str, world_size: int) -> Layout:
+    """The ``parallel`` section of a layout at a world size (``single``: one rank)."""
+    if world_size == 1 or layout == SINGLE:
+        return Layout()
+    return Layout(world_size=world_size, **{{"ddp": "dp", "fsdp": "fsdp", "tp": "tp"}[layout]: world_size})
+
+
 def layout_sets(layout: str, world_size: int) -> list[str]:
     """params.yaml ``parallel`` overrides for a layout at a world size."""
-    dp, fsdp = (world_size, 1) if layout == "ddp" else (1, world_size) if layout == "fsdp" else (1, 1)
-    return [f"parallel.world_size={world_size}", f"parallel.dp={dp}", f"parallel.fsdp={fsdp}", "parallel.tp=1"]
+    chosen = layout_of(layout, world_size)
+    return [f"parallel.{k}={getattr(chosen, k)}" for k in ("world_size", "dp", "fsdp", "tp")]
+
+
+def unrunnable(params: Params, model: str, layout: str, world_size: int) -> str | None:
+    """Why this preset cannot run in this layout (``check_layout``'s words), before any job starts; None if it can."""
+    try:
+        check_layout(layout_of(layout, world_size), params.models[model], model, world_size=world_size)
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 def torchrun(world_size: int, module: str, args: list[str]) -> list[str]:
@@ -44,7 +62,7 @@ def torchrun(world_size: int, module: str, args: list[str]) -> list[str]:
 
 class Distributed(StudyDef):
     name = "distributed"
-    table_ids = ("G3-T2",)
+    table_ids = ("G3-T2", "G3-T3")
     config_columns = ["model", "world_size", "batch", "seq_len"]
 
     def __init__(self, device: str = "cpu"):
@@ -55,8 +73,9 @@ class Distributed(StudyDef):
 
     def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
         sections = target_sections(raw, target_name, ("G3-T2",))
-        return {**sections, "parallel": raw.get("parallel", {}),
-                **{f"models.{m}": raw["models"][m] for m in sections["G3-T2"]["models"]}}
+        run = sections["G3-T2"]
+        models = [*run["models"], *([run["decode"]["model"]] if run.get("decode") else [])]
+        return {**sections, "parallel": raw.get("parallel", {}), **{f"models.{m}": raw["models"][m] for m in models}}
 
     def cases(self, params: Params, target: Target) -> list:
         return []  # whole torchrun jobs: extra_rows runs them
@@ -86,13 +105,41 @@ class Distributed(StudyDef):
                                                  "status": "unavailable", "reason": f"world size {ws} needs {ws} "
                                                  f"GPUs; this machine has {held}"})
                                 continue
+                            why = unrunnable(params, model, layout, ws)
+                            if why is not None:
+                                if rnd == 0:
+                                    rows.append({**base, "metric": "tokens_per_s", "value": None,
+                                                 "unit": "tokens/s", "status": "unavailable", "reason": why})
+                                continue
                             self.note(f"round {rnd + 1}/{run.repeats}: {model} {layout} x{ws}, a torchrun job")
                             rows += [{**base, **r} for r in run_job(model, layout, ws, run, params_file, Path(tmp),
                                                                     trace)]
+            if run.decode is not None:
+                rows += self._decode_rows(params, run, held, params_file, Path(tmp))
             largest = max(w for w in run.world_sizes if held is None or w <= held)
             if largest > 1:
                 self.note(f"all-reduce bus bandwidth x{largest}")
                 rows += allreduce_rows(largest, run, Path(tmp))
+        return rows
+
+    def _decode_rows(self, params: Params, run: DistributedRun, held: int | None, params_file: Path,
+                     tmp: Path) -> list[dict]:
+        dec = run.decode
+        rows = []
+        for B in dec.batches:
+            for ws in run.world_sizes:
+                layout = SINGLE if ws == 1 else "tp"
+                base = {"table_id": "G3-T3", "kernel": "", "model": dec.model, "world_size": ws, "batch": B,
+                        "seq_len": dec.prompt_len, "mode": "decode", "provider": layout,
+                        "case_id": f"decode/{dec.model}/b{B}/x{ws}"}
+                why = (f"world size {ws} needs {ws} GPUs; this machine has {held}" if held is not None and ws > held
+                       else unrunnable(params, dec.model, layout, ws))
+                if why is not None:
+                    rows.append({**base, "metric": "decode_ms_per_token", "value": None, "unit": "ms",
+                                 "status": "unavailable", "reason": why})
+                    continue
+                self.note(f"decode: {dec.model} batch {B} {layout} x{ws}, a torchrun job")
+                rows += [{**base, **r} for r in decode_job(B, ws, run, params_file, tmp)]
         return rows
 
     def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
@@ -116,24 +163,31 @@ def _failed(done: subprocess.CompletedProcess | None, timeout_s: float, what: st
     return f"{what} exited {done.returncode}: {(errors[-1] if errors else ' '.join(done.stderr.split()))[-300:]}"
 
 
-def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: Path, tmp: Path,
-            trace_steps: int = 0) -> list[dict]:
-    out = tmp / f"{model}-{layout}-{ws}.json"
+def launch(module: str, args: list[str], ws: int, run: DistributedRun, out: Path, layout: str | None = None,
+           what: str = "the torchrun job") -> dict | str:
+    """A torchrun job of ``module`` at a world size (in ``layout``, given as ``--set`` overrides): the JSON it wrote
+    to ``out``, or why there is none."""
     out.unlink(missing_ok=True)  # a failed job must not leave the round before's file to be read
-    args = ["--model", model, "--batch", str(run.batch_per_rank * ws), "--seq-len", str(run.seq_len),
-            "--steps", str(run.steps), "--warmup", str(run.warmup), "--dtype", run.dtype,
-            "--params", str(params_file), "--out", str(out), "--trace-steps", str(trace_steps)]
-    for s in layout_sets(layout, ws):
-        args += ["--set", s]
+    sets = layout_sets(layout, ws) if layout is not None else []
+    args = [*args, "--out", str(out), *[a for s in sets for a in ("--set", s)]]
     try:
-        done = subprocess.run(torchrun(ws, "adaattn.distributed.train", args), env=_env(), capture_output=True,
-                              text=True, timeout=run.timeout_s)
+        done = subprocess.run(torchrun(ws, module, args), env=_env(), capture_output=True, text=True,
+                              timeout=run.timeout_s)
     except subprocess.TimeoutExpired:
         done = None
     if done is None or done.returncode != 0 or not out.is_file():
-        return [{"metric": "tokens_per_s", "value": None, "unit": "tokens/s", "status": "error",
-                 "reason": _failed(done, run.timeout_s, "the torchrun job")}]
-    job = json.loads(out.read_text())
+        return _failed(done, run.timeout_s, what)
+    return json.loads(out.read_text())
+
+
+def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: Path, tmp: Path,
+            trace_steps: int = 0) -> list[dict]:
+    args = ["--model", model, "--batch", str(run.batch_per_rank * ws), "--seq-len", str(run.seq_len),
+            "--steps", str(run.steps), "--warmup", str(run.warmup), "--dtype", run.dtype,
+            "--params", str(params_file), "--trace-steps", str(trace_steps)]
+    job = launch("adaattn.distributed.train", args, ws, run, tmp / f"{model}-{layout}-{ws}.json", layout)
+    if isinstance(job, str):
+        return [{"metric": "tokens_per_s", "value": None, "unit": "tokens/s", "status": "error", "reason": job}]
     seconds = max(r["seconds"] for r in job["ranks"])
     ok = {"status": "ok", "reason": ""}
     return [{**ok, "metric": "tokens_per_s", "value": job["tokens_per_s"], "unit": "tokens/s",
@@ -146,6 +200,30 @@ def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: 
                 if job["device"] != "cuda" else {**ok, "reason": "the fullest rank's peak allocated memory"})},
             {**ok, "metric": "loss_last", "value": job["losses"][-1], "unit": "nats"},
             *trace_rows(job.get("trace"))]
+
+
+def decode_job(batch: int, ws: int, run: DistributedRun, params_file: Path, tmp: Path) -> list[dict]:
+    dec = run.decode
+    args = ["--model", dec.model, "--batch", str(batch), "--prompt-len", str(dec.prompt_len), "--new-tokens",
+            str(dec.new_tokens), "--rounds", str(dec.rounds), "--dtype", run.dtype,
+            "--compile" if dec.compile else "--no-compile", "--params", str(params_file)]
+    job = launch("adaattn.distributed.decode", args, ws, run, tmp / f"decode-{dec.model}-{batch}-{ws}.json",
+                 SINGLE if ws == 1 else "tp")
+    if isinstance(job, str):
+        return [{"metric": "decode_ms_per_token", "value": None, "unit": "ms", "status": "error", "reason": job}]
+    how = (f"{'compiled, CUDA graphs' if job['compiled'] else 'eager'}"
+           f"{'' if ws == 1 else ', ' + job['shards'] + ' shards'}; the median of {len(job['decode_ms_per_token'])} "
+           "rounds, each round's slowest rank")
+    ok = {"status": "ok", "samples": len(job["decode_ms_per_token"])}
+    return [{**ok, "metric": "decode_ms_per_token", "value": statistics.median(job["decode_ms_per_token"]),
+             "unit": "ms", "reason": f"{job['new_tokens'] - 1} greedy steps a round; " + how},
+            {**ok, "metric": "prefill_ms", "value": statistics.median(job["prefill_ms"]), "unit": "ms",
+             "reason": f"a {job['prompt_len']}-token prompt, eager; " + how},
+            {**ok, "metric": "tokens_per_s", "value": job["tokens_per_s"], "unit": "tokens/s",
+             "reason": "batch over the median decode step"},
+            {"metric": "rank_peak_mem_mb", "value": job["peak_mib_max"], "unit": "MiB",
+             **({"status": "unavailable", "reason": "CPU processes: no CUDA allocator statistics"}
+                if job["device"] != "cuda" else {**ok, "reason": "the fullest rank's peak allocated memory"})}]
 
 
 def trace_rows(trace: list[dict] | None) -> list[dict]:
@@ -164,18 +242,12 @@ def trace_rows(trace: list[dict] | None) -> list[dict]:
 
 
 def allreduce_rows(ws: int, run: DistributedRun, tmp: Path) -> list[dict]:
-    out = tmp / "allreduce.json"
-    args = [a for mib in run.allreduce_mib for a in ("--mib", f"{mib:g}")] + ["--out", str(out)]
+    args = [a for mib in run.allreduce_mib for a in ("--mib", f"{mib:g}")]
     base = {"table_id": "G3-T2", "kernel": "", "world_size": ws, "mode": "all_reduce", "provider": "all_reduce"}
-    try:
-        done = subprocess.run(torchrun(ws, "adaattn.distributed.allreduce", args), env=_env(),
-                              capture_output=True, text=True, timeout=run.timeout_s)
-    except subprocess.TimeoutExpired:
-        done = None
-    if done is None or done.returncode != 0 or not out.is_file():
+    job = launch("adaattn.distributed.allreduce", args, ws, run, tmp / "allreduce.json", what="the all-reduce job")
+    if isinstance(job, str):
         return [{**base, "case_id": f"all_reduce/x{ws}", "metric": "busbw_gbps", "value": None, "unit": "GB/s",
-                 "status": "error", "reason": _failed(done, run.timeout_s, "the all-reduce job")}]
-    job = json.loads(out.read_text())
+                 "status": "error", "reason": job}]
     rows = []
     for s in job["sizes"]:
         case = {**base, "case_id": f"all_reduce/x{ws}/{s['mib']:g}MiB", "status": "ok",

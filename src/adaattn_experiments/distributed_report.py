@@ -1,5 +1,5 @@
-"""The distributed training report (G3-T2, issue 49's scaling goal), from the results table only
-(``distributed.py``)."""
+"""The distributed report (G3-T2 and issue 49's scaling goal; G3-T3's +TensorParallel row and its decode goal),
+from the results table only (``distributed.py``)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                               "peak GiB a rank": fmt(peak / 1024 if peak is not None else None),
                               "last loss": fmt(_median(good, "loss_last")),
                               "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
-                if ws == 1:
+                if ws == 1 or layout == "tp":  # the goal is data parallelism's; tensor parallelism's is in the table
                     continue
                 claim = f"{'DDP' if layout == 'ddp' else 'FSDP2'} x{int(ws)} scaling efficiency ({model})"
                 verdict = ("not measurable here" if cpu else "not measured yet" if eff is None
@@ -61,8 +61,6 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                                         "gloo processes sharing a CPU's cores: not the GPUs' scaling" if cpu else
                                         "tokens/s a rank at this world size over one rank's in the same round, the "
                                         "batch a rank fixed"))
-        verdicts.append(Verdict("G3-T2", "tensor parallelism (TP=2) rows", "-", "-", hw, "not measured yet",
-                                "tensor parallelism is not built yet (issue 49)"))
         for row, fig in guide_figures()["G3-T2"]["figures"].items():
             tokens = float(fig["tokens_per_s"])  # YAML 1.1 reads 180.0e3 as text
             claim = f"{row}: {tokens / 1e3:g}K tokens/s, {fig['memory_gb']:g} GB at batch {fig['batch']}, sequence 2048"
@@ -80,8 +78,9 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                     "us a call": fmt(us.iloc[0] if len(us) else None), "bus GB/s": fmt(r["value"])})
     md = ("Each preset trained in each layout at each world size, every run a torchrun job of its own "
           "(`adaattn.distributed.train`; `docs/distributed.md`): `single` one rank, `ddp` DDP, `fsdp` FSDP2 (bf16 "
-          "compute, fp32 gradient reduction). The batch a rank is fixed (weak scaling), so N ranks train on N times "
-          "the tokens a step. tokens/s: every rank's tokens over the slowest rank's seconds; scaling efficiency: "
+          "compute, fp32 gradient reduction), `tp` tensor parallelism (each rank its heads and MLP units; every rank "
+          "the whole batch, and its tokens/s a rank the job's over the ranks). The batch a rank is fixed (weak "
+          "scaling), so N ranks train on N times the tokens a step. tokens/s: every rank's tokens over the slowest rank's seconds; scaling efficiency: "
           "tokens/s a rank at N ranks over one rank's in the same round (the median over rounds, with its range or "
           "interval). comm ms a step: NCCL kernel time in the traced steps (GPU); exposed: the share of the step's "
           "GPU time when only communication ran (no kernel hid it), the rank that waited most. Peak: the fullest "
@@ -90,5 +89,55 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         md += ("\nAll-reduce bus bandwidth in the same run (`adaattn.distributed.allreduce`, nccl-tests' convention: "
                "bytes over the slowest rank's time, times 2 (n - 1) / n): the ceiling for the gradients' "
                "traffic.\n\n" + md_table(pd.DataFrame(bus)) + "\n")
-    return [Section("G3-T2", "Training Performance: one GPU and more (DDP, FSDP2), all-reduce bandwidth", md,
-                    verdicts)]
+    sections = [Section("G3-T2", "Training Performance: one GPU and more (DDP, FSDP2, TP), all-reduce bandwidth",
+                        md, verdicts)]
+    decode = df[df["mode"] == "decode"]
+    if not decode.empty:
+        sections.append(_decode_section(decode, cpus))
+    return sections
+
+
+def _decode_section(df: pd.DataFrame, cpus: set[str]) -> Section:
+    """G3-T3's +TensorParallel row: the preset's decode on one rank and tensor-parallel, each job's median round."""
+    goal = knobs().tp_decode_latency
+    figures, tol = guide_figures()["G3-T3"]["figures"], knobs().guide_ratio_tolerance
+    guide, before = figures["+TensorParallel"], figures["+INT8"]
+    table, verdicts = [], []
+    for target, frame in df.groupby("target", sort=False):
+        hw, cpu = frame["hardware"].iloc[0], target in cpus
+        for (model, batch), runs in frame.groupby(["model", "batch"], sort=False):
+            good = runs[runs["status"] == "ok"]
+            one = _median(good[good["world_size"] == 1], "decode_ms_per_token")
+            for ws, job in runs.groupby("world_size", sort=False):
+                ok = job[job["status"] == "ok"]
+                ms, peak = _median(ok, "decode_ms_per_token"), _median(ok, "rank_peak_mem_mb")
+                ratio = ms / one if ms is not None and one and ws > 1 else None
+                bad = job[job["status"] != "ok"]
+                table.append({"target": target, "model": model, "batch": int(batch), "ranks": int(ws),
+                              "layout": job["provider"].iloc[0], "prefill ms": fmt(_median(ok, "prefill_ms")),
+                              "decode ms a token": fmt(ms), "tokens/s": fmt(_median(ok, "tokens_per_s")),
+                              "x one GPU's ms": fmt(ratio), "peak GiB a rank": fmt(peak / 1024 if peak else None),
+                              "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
+                if ws != 2 or batch != 1:
+                    continue
+                verdict = ("not measurable here" if cpu else "not measured yet" if ratio is None
+                           else judge((ratio, ratio), (None, goal), False))
+                verdicts.append(Verdict("G3-T3", f"TP=2 batch-1 decode ms a token over one GPU's ({model})",
+                                        f"<= {goal:g}", fmt(ratio) if ratio is not None else "-", hw, verdict,
+                                        "gloo processes sharing a CPU's cores" if cpu else "each job's median round "
+                                        "(compiled decode step, CUDA graphs), jobs one after another on one machine"))
+                claimed = before["latency_ms"] / guide["latency_ms"]
+                gain = one / ms if ms and one else None
+                verdicts.append(Verdict("G3-T3", f"+TensorParallel: {guide['latency_ms']:g} ms after "
+                                        f"{before['latency_ms']:g} ({claimed:.2f}x)", f"{claimed:.2f}x",
+                                        fmt(gain) + "x" if gain else "-", hw,
+                                        "not measurable here" if cpu else "not measured yet" if gain is None
+                                        else judge((gain, gain), (claimed, claimed), True, tol),
+                                        f"one rank's decode step over TP=2's ({model}, batch 1; the guide's row before "
+                                        "is INT8 and names no model or GPUs, so its ratio is read, not its ms)"))
+    md = ("A dense preset decoded on one rank and tensor-parallel over two (`adaattn.distributed.decode`: each rank "
+          "its heads and MLP units, two all-reduces a block, the embedding and LM head whole on every rank): a "
+          "prefill of the prompt, then greedy decode steps compiled with CUDA graphs, in rounds after an untimed "
+          "one; each round's time its slowest rank's, the median round shown. x one GPU's ms: the decode step's time "
+          "over one rank's, the goal's ratio.\n\n" + md_table(pd.DataFrame(table)) + "\n")
+    return Section("G3-T3", "Inference: +TensorParallel (decode on two GPUs)", md, verdicts)

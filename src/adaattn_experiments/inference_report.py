@@ -73,7 +73,7 @@ def _verdicts(target: str, ok: pd.DataFrame, copy: float | None, ratios: pd.Data
                            f"a decode step, {prev} over {config}; the guide names no model, batch or hardware, so "
                            "its ratios are read, not its milliseconds"))
     out.append(Verdict("G3-T3", "+TensorParallel: 12.4 ms", f"{guide['+TensorParallel']['latency_ms']:g} ms", "-", hw,
-                       "not measured yet", "tensor parallelism is the distributed issue's (49)"))
+                       "not measured yet", "two GPUs: the distributed study's (reports/distributed.md, G3-T3)"))
     one = decode[decode["batch"] == 1]
     read = ok[(ok["phase"] == "decode") & (ok["metric"] == "decode_bytes") & (ok["batch"] == 1)]
     if not one.empty and copy:

@@ -1,5 +1,5 @@
 """A layout (``config.Layout``) made real: its checks before any process group starts, the device mesh, and a
-model wrapped for it (DDP, FSDP2 or HSDP); per-rank throughput and memory, gathered.
+model wrapped for it (DDP, FSDP2, HSDP or tensor parallelism); per-rank throughput and memory, gathered.
 
 Processes come from torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE; one process a GPU (NCCL), or CPU
 processes over gloo. NVLink multicast is forced off in every process before NCCL loads: on the shared
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from adaattn.config import ConfigError, Layout
@@ -42,12 +42,108 @@ def check_layout(layout: Layout, cfg: ModelConfig, model: str = "model",
                           f"--nproc-per-node {layout.world_size} (times the nodes), or set parallel.world_size="
                           f"{started}")
     if layout.tp > 1:
-        raise ConfigError(f"parallel.tp={layout.tp}: tensor parallelism is not built yet; allowed: 1")
+        check_tensor_parallel(layout, cfg, model)
     if cfg.kind != "decoder" and layout.world_size > 1:
         raise ConfigError(f"models.{model}.kind={cfg.kind!r}: distributed training runs decoders; allowed: decoder")
     if cfg.attention == "ada" and layout.fsdp > 1:
         raise ConfigError(f"models.{model}.attention='ada' with parallel.fsdp={layout.fsdp}: AdaAttention under FSDP "
                           "is not tested yet; allowed attention with fsdp > 1: sdpa, ccgqa, flexible, naive")
+
+
+TP_ATTENTION = ("sdpa", "naive", "flexible")  # the zoo's Attention module: one fused qkv, one output projection
+
+
+def check_tensor_parallel(layout: Layout, cfg: ModelConfig, model: str = "model") -> None:
+    """What ``tensor_parallel`` shards: whole heads (query and kv) and the MLP's hidden units, per rank."""
+    tp, key = layout.tp, f"models.{model}"
+    if layout.world_size != tp:
+        raise ConfigError(f"parallel.tp={tp} with parallel.dp={layout.dp}, parallel.fsdp={layout.fsdp}: tensor "
+                          "parallelism runs alone for now (tp = world_size); allowed: dp=1, fsdp=1")
+    if cfg.attention not in TP_ATTENTION or cfg.memory_slots is not None or cfg.routed:
+        raise ConfigError(f"{key}: tensor parallelism shards the dense Attention (attention one of "
+                          f"{', '.join(TP_ATTENTION)}, no memory_slots, no routing); this preset has attention="
+                          f"{cfg.attention!r}, memory_slots={cfg.memory_slots}, routed={cfg.routed}")
+    for name, count in (("n_heads", cfg.n_heads), ("kv heads", cfg.kv_heads), ("MLP hidden", cfg.hidden)):
+        if count % tp:
+            raise ConfigError(f"parallel.tp={tp} must divide {key}'s {name} ({count}): each rank computes whole "
+                              f"heads and an equal share of the MLP; allowed tp: divisors of {count}")
+
+
+def _rank_major(weight: Tensor, parts: list[int], tp: int) -> Tensor:
+    """A fused projection's rows [a; b; c] reordered [a_0; b_0; c_0; a_1; ...]: tensor parallelism's contiguous
+    row shard r then holds rank r's share of every part (its q, k and v heads; its gate and up units)."""
+    chunks = [part.chunk(tp, dim=0) for part in weight.split(parts, dim=0)]
+    return torch.cat([c[r] for r in range(tp) for c in chunks], dim=0)
+
+
+def tensor_parallel(model: nn.Module, mesh: DeviceMesh, local: bool = False) -> nn.Module:
+    """Megatron's layout: in each block the qkv and MLP input projections column-wise (each rank its heads and
+    hidden units; no communication), the output and down projections row-wise (their partial sums all-reduced):
+    two all-reduces a block forward, two backward. Fused projections are reordered rank-major first
+    (``_rank_major``), so the model's weights under tensor parallelism are a permutation of the unsharded ones:
+    its checkpoints are refused (``adaattn.distributed.train``). The embedding, norms and head stay whole on every
+    rank.
+
+    Training shards with DTensor (``parallelize_module``), whose autograd places the backward's collectives.
+    ``local=True`` (inference, gpt-fast's way) keeps each rank's shard as a plain tensor and all-reduces the
+    row-wise projections' outputs with a functional collective: the compiled decode step then holds plain
+    tensors and NCCL calls that CUDA graphs capture (DTensor weights under ``reduce-overhead`` decoded slower on
+    two GPUs than one: docs/notebook.md, 2026-11-27)."""
+    from adaattn.layers.common import SwiGLUMLP
+    from adaattn.models.transformer import Attention
+
+    tp = mesh.size()
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        if not isinstance(attn, Attention):
+            raise TypeError(f"tensor parallelism shards the zoo's Attention; this block has {type(attn).__name__}")
+        D = attn.cfg.head_dim
+        fused = {attn.qkv: [attn.n_heads * D, attn.n_kv_heads * D, attn.n_kv_heads * D]}
+        if isinstance(mlp, SwiGLUMLP):
+            fused[mlp.gate_up] = [mlp.hidden_dim, mlp.hidden_dim]
+        with torch.no_grad():
+            for linear, parts in fused.items():
+                for p in (linear.weight, linear.bias):
+                    if p is not None:
+                        p.copy_(_rank_major(p, parts, tp))
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
+        if isinstance(mlp, SwiGLUMLP):
+            mlp.hidden_dim //= tp
+        columns = [attn.qkv, mlp.gate_up if isinstance(mlp, SwiGLUMLP) else mlp.up]
+        rows = [attn.out, mlp.down]
+        if local:
+            _shard_locally(columns, rows, mesh)
+        else:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            for linear in columns:
+                parallelize_module(linear, mesh, ColwiseParallel())
+            for linear in rows:
+                parallelize_module(linear, mesh, RowwiseParallel())
+    return model
+
+
+def _shard_locally(columns: list[nn.Linear], rows: list[nn.Linear], mesh: DeviceMesh) -> None:
+    """Each rank's shard as a plain parameter; a forward hook sums a row-wise projection's partial outputs."""
+    import torch.distributed._functional_collectives as funcol
+
+    tp, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+
+    def summed(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        return funcol.all_reduce(out, "sum", group)
+
+    with torch.no_grad():
+        for linear in columns:
+            linear.weight = nn.Parameter(linear.weight.chunk(tp, dim=0)[rank].clone(), requires_grad=False)
+            if linear.bias is not None:
+                linear.bias = nn.Parameter(linear.bias.chunk(tp, dim=0)[rank].clone(), requires_grad=False)
+        for linear in rows:
+            linear.weight = nn.Parameter(linear.weight.chunk(tp, dim=1)[rank].clone(), requires_grad=False)
+            if linear.bias is not None:  # every rank adds it before the sum: a 1/tp share each
+                linear.bias = nn.Parameter(linear.bias / tp, requires_grad=False)
+            linear.register_forward_hook(summed)
+    for linear in columns + rows:
+        linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
 
 
 def init_mesh(layout: Layout) -> DeviceMesh:
@@ -65,7 +161,10 @@ def init_mesh(layout: Layout) -> DeviceMesh:
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module:
     """``model`` (on this rank's device, the same weights on every rank) wrapped for ``layout``: FSDP2 where
     ``fsdp`` > 1 (each block its own unit, so one block's parameters are gathered at a time, then the rest at the
-    root; over a (dp, fsdp) mesh where dp > 1 too: HSDP), else DDP where ``dp`` > 1, else itself."""
+    root; over a (dp, fsdp) mesh where dp > 1 too: HSDP), else DDP where ``dp`` > 1, tensor parallelism where
+    ``tp`` > 1 (``tensor_parallel``), else itself."""
+    if layout.tp > 1:
+        return tensor_parallel(model, mesh["tp"])
     if layout.fsdp > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -94,7 +193,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module
 class RankStats:
     """One rank's share of a run: tokens it trained on, the seconds they took, its peak memory (MiB)."""
     rank: int
-    tokens: int
+    tokens: float
     seconds: float
     peak_mib: float
 

@@ -113,6 +113,10 @@ def main(
             raise ConfigError(f"--seq-len {seq_len} is over models.{model}.max_seq_len={cfg.max_seq_len}")
         if dtype not in ("bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype {dtype!r}; allowed: bf16, fp16, fp32")
+        if layout.tp > 1 and (load is not None or save is not None):
+            raise ConfigError(f"--save / --load with parallel.tp={layout.tp}: a tensor-parallel model's fused "
+                              "projections are reordered by rank (distributed.parallel.tensor_parallel), so its "
+                              "checkpoint would not load as the unsharded model; checkpoints run with tp=1")
         if load is not None and not (load / ".metadata").is_file():
             raise ConfigError(f"--load {load}: not a checkpoint folder (no .metadata; --save writes one)")
         if dtype == "fp16" and layout.fsdp > 1:
@@ -159,7 +163,8 @@ def main(
         sync()
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-        stats = gather_stats(RankStats(dist.get_rank(), steps * per_rank * seq_len, seconds, peak))
+        # a tensor-parallel group trains on one share together: each of its ranks is credited its part of it
+        stats = gather_stats(RankStats(dist.get_rank(), steps * per_rank * seq_len / layout.tp, seconds, peak))
         comm = None
         if trace_steps and device.type == "cuda":
             # after the timed steps, so the profiler costs them nothing; every rank traces its own GPU

@@ -90,7 +90,7 @@ def setup_kv_cache(model: nn.Module, batch: int, max_seq_len: int | None = None,
             layer.cache = SegmentCache(batch, cfg.kv_heads, cfg.segment_len, cfg.head_dim, cfg.dim,
                                        dtype or weight.dtype, weight.device)
         else:
-            layer.cache = KVCache(batch, cfg.kv_heads, M, cfg.head_dim, dtype or weight.dtype, weight.device,
+            layer.cache = KVCache(batch, layer.n_kv_heads, M, cfg.head_dim, dtype or weight.dtype, weight.device,
                                   cfg.attention_window)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from adaattn.models.config import ModelConfig
@@ -153,9 +154,7 @@ class Trainer:
             self.scaler.scale(total).backward()
         self.scaler.unscale_(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip is not None else float("inf"))
-        if hasattr(norm, "full_tensor"):  # FSDP's sharded gradients: a DTensor of the whole model's norm
-            norm = norm.full_tensor()
+        norm = clip_grad_norm(params, self.grad_clip if self.grad_clip is not None else float("inf"))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -189,6 +188,27 @@ class Trainer:
             return self.model(inputs, return_aux=True) if routed else (self.model(inputs), None)
 
 
+def _full(norm: Tensor) -> Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
+    """``clip_grad_norm_`` where parameters may mix DTensors (FSDP's shards, tensor parallelism's sharded
+    projections) and plain tensors (tensor parallelism's replicated norms and embeddings), which one norm over
+    both refuses: each kind's norm apart, the whole norm from the two, every gradient scaled by it. The whole
+    norm, as a plain tensor."""
+    with_grad = [p for p in params if p.grad is not None]
+    kinds = [k for k in ([p for p in with_grad if isinstance(p.grad, DTensor)],
+                         [p for p in with_grad if not isinstance(p.grad, DTensor)]) if k]
+    if len(kinds) < 2:
+        return _full(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    total = torch.linalg.vector_norm(torch.stack([_full(torch.nn.utils.get_total_norm([p.grad for p in k]))
+                                                  for k in kinds]))
+    for k in kinds:
+        torch.nn.utils.clip_grads_with_norm_(k, max_norm, total)
+    return total
+
+
 def _cross_entropy_fp32(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
@@ -203,7 +223,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             continue
         seen.add(id(p))
         (decay if p.dim() >= 2 and id(p) not in embeddings else rest).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    # a fused or foreach step refuses DTensors and plain tensors in one list (tensor parallelism has both)
+    return [{**g, "params": part} for g in groups
+            for part in ([p for p in g["params"] if isinstance(p, DTensor)],
+                         [p for p in g["params"] if not isinstance(p, DTensor)]) if part or not g["params"]]
 
 
 def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | dict, lr: float = 3e-4,

@@ -69,6 +69,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.rope = cfg, rope
         H, G, D = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        # the heads this module computes: all of them, or its rank's share under tensor parallelism
+        self.n_heads, self.n_kv_heads = H, G
         self.qkv = nn.Linear(cfg.dim, (H + 2 * G) * D, bias=cfg.bias)
         self.out = nn.Linear(H * D, cfg.dim, bias=cfg.bias)
         if cfg.positions == "qk_norm_rope":
@@ -80,7 +82,7 @@ class Attention(nn.Module):
         decodes (None: 0..S-1); ``memory`` (B, N, E): an LTM layer's bank, normalised, attended before the
         segment (``models.ltm``)."""
         B, S, _ = x.shape
-        H, G, D = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.head_dim
+        H, G, D = self.n_heads, self.n_kv_heads, self.cfg.head_dim
         q, k, v = self.qkv(x).split([H * D, G * D, G * D], dim=-1)
         q, k, v = q.view(B, S, H, D), k.view(B, S, G, D), v.view(B, S, G, D)
         if pos is not None and self.rope is not None:
