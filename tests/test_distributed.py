@@ -113,6 +113,19 @@ def test_a_tensor_parallel_run_refuses_checkpoints_and_decode_refuses_data_paral
     assert "ProcessGroup" not in done.stderr and not (tmp_path / "y.json").exists()
 
 
+def test_accumulated_micro_batches_train_as_the_whole_batch_does(params_file, tmp_path):
+    """Each rank's share in two parts, the gradients reduced once: the same step as the whole batch at once."""
+    one = run(params_file, tmp_path / "one.json", 1)
+    for name, layout in (("accum", {}), ("ddp", {"dp": 2}), ("fsdp", {"fsdp": 2})):
+        nproc = 2 if layout else 1
+        parts = run(params_file, tmp_path / f"{name}.json", nproc, extra=("--micro-batches", "2"), **layout)
+        assert parts["micro_batches"] == 2
+        assert_same_training(parts, one)
+    done = torchrun(params_file, tmp_path / "x.json", 2, dp=2, extra=("--micro-batches", "4"))
+    assert done.returncode != 0 and "--micro-batches 4 must divide each rank's 2 sequences" in \
+        " ".join(done.stderr.split())
+
+
 def test_a_checkpoint_saved_at_world_size_2_resumes_at_world_size_1(params_file, tmp_path):
     folder = tmp_path / "ckpt"
     saved = run(params_file, tmp_path / "a.json", 2, fsdp=2, extra=("--save", str(folder)))

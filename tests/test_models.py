@@ -244,6 +244,28 @@ def test_setup_groups_decay_and_rejects_bad_arguments():
         Trainer(model, opt, grad_clip=0)
 
 
+def test_accumulated_micro_batches_make_the_whole_batchs_step():
+    from adaattn.models.train import Trainer
+
+    cfg = _small(**PLAIN)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(0))
+    weights, losses = [], []
+    for parts in (1, 2, 4):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        # SGD: a step proportional to the gradient (Adam's first step is not: it divides a scale away)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype="fp32", grad_clip=None)
+        out = trainer.train_step(tokens, micro_batches=parts)
+        losses.append(float(out["loss"]))
+        assert out["tokens"] == 4 * 16
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
+    torch.testing.assert_close(weights[1], weights[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weights[2], weights[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="micro_batches=3 must be a positive int dividing the batch"):
+        trainer.train_step(tokens, micro_batches=3)
+
+
 def test_optimize_says_what_it_set_and_keeps_the_models_parameters():
     from adaattn.models.train import optimize_for_h200, optimize_model
 

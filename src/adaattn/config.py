@@ -671,7 +671,8 @@ class DistributedRun(_Section):
     """G3-T2 and issue 49's scaling goal: each of ``models`` trained in each of ``layouts`` at each of
     ``world_sizes`` (one GPU, or CPU process over gloo, a rank), every run a torchrun job of its own
     (``adaattn.distributed.train``); at world size 1 one run, the baseline of both layouts. The batch per rank is
-    fixed (weak scaling: ``batch_per_rank`` x data-parallel ranks a step), ``seq_len`` tokens a sequence,
+    fixed (weak scaling: ``batch_per_rank`` x data-parallel ranks a step; each rank's in ``micro_batches`` parts,
+    the gradients reduced once a step), ``seq_len`` tokens a sequence,
     ``warmup`` untimed steps, then ``steps`` timed, then on GPUs ``trace_steps`` traced (the share of a step's
     communication no computation hid). ``repeats`` rounds of every job, the layouts interleaved in each round:
     the scaling efficiency is read per round. NCCL's (gloo's) all-reduce bus bandwidth at each of
@@ -681,6 +682,7 @@ class DistributedRun(_Section):
     layouts: Annotated[list[Literal[DISTRIBUTED_LAYOUTS]], Field(min_length=1)]  # type: ignore[valid-type]
     world_sizes: Annotated[list[PositiveInt], Field(min_length=1)]
     batch_per_rank: PositiveInt
+    micro_batches: PositiveInt = 1  # a rank's batch a step in this many parts (gradient accumulation)
     seq_len: PositiveInt
     steps: PositiveInt
     warmup: NonNegativeInt = 2
@@ -700,6 +702,8 @@ class DistributedRun(_Section):
         if 1 not in self.world_sizes:
             raise ValueError(f"world_sizes must hold 1 (the baseline the scaling is read against); got "
                              f"{self.world_sizes}")
+        if self.batch_per_rank % self.micro_batches:
+            raise ValueError(f"micro_batches={self.micro_batches} must divide batch_per_rank={self.batch_per_rank}")
         return self
 
 

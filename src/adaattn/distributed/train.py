@@ -82,6 +82,9 @@ def main(
     steps: Annotated[int, typer.Option(min=1, help="optimizer steps")] = 20,
     warmup: Annotated[int, typer.Option(min=0, help="steps before the timed ones (compile, allocator)")] = 2,
     batch_size: Annotated[int, typer.Option("--batch", min=1, help="global batch: sequences a step, all ranks")] = 8,
+    micro_batches: Annotated[int, typer.Option(min=1, help="each rank's share of a step in this many parts, "
+                                               "forward and backward in turn, the gradients reduced once "
+                                               "(gradient accumulation)")] = 1,
     seq_len: Annotated[int, typer.Option(min=1, help="tokens a sequence")] = 256,
     dtype: Annotated[str, typer.Option(help="the trainer's autocast dtype: bf16, fp16 or fp32")] = "bf16",
     lr: Annotated[float, typer.Option(help="AdamW's learning rate")] = 3e-4,
@@ -109,6 +112,9 @@ def main(
         if batch_size % shares:
             raise ConfigError(f"--batch {batch_size} must divide among the {shares} data-parallel ranks "
                               f"(parallel.dp x parallel.fsdp)")
+        if (batch_size // shares) % micro_batches:
+            raise ConfigError(f"--micro-batches {micro_batches} must divide each rank's {batch_size // shares} "
+                              f"sequences a step (--batch {batch_size} over {shares} data-parallel ranks)")
         if seq_len > cfg.max_seq_len:
             raise ConfigError(f"--seq-len {seq_len} is over models.{model}.max_seq_len={cfg.max_seq_len}")
         if dtype not in ("bf16", "fp16", "fp32"):
@@ -157,7 +163,7 @@ def main(
                 sync()
                 start = time.perf_counter()
             tokens = batch(corpus.train, batch_size, seq_len, g)[share * per_rank:(share + 1) * per_rank]
-            loss = trainer.train_step(tokens)["loss"]
+            loss = trainer.train_step(tokens, micro_batches=micro_batches)["loss"]
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the whole batch's mean: equal shares
             losses.append(loss)
         sync()
@@ -173,7 +179,7 @@ def main(
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(trace_steps):
                     tokens = batch(corpus.train, batch_size, seq_len, g)[share * per_rank:(share + 1) * per_rank]
-                    trainer.train_step(tokens)
+                    trainer.train_step(tokens, micro_batches=micro_batches)
                 sync()
             kernels = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
                        if e.device_type() == torch.autograd.DeviceType.CUDA]
@@ -184,7 +190,7 @@ def main(
             checkpoint(save, net, optimizer, done + warmup + steps + (trace_steps if comm else 0))
         if dist.get_rank() == 0:
             run = {"model": model, "layout": layout.model_dump(), "steps": steps, "warmup": warmup,
-                   "batch": batch_size, "seq_len": seq_len, "dtype": dtype, "device": device.type,
+                   "batch": batch_size, "micro_batches": micro_batches, "seq_len": seq_len, "dtype": dtype, "device": device.type,
                    "losses": [float(x) for x in losses], "weights": digest, "resumed_at": done,
                    "loaded_weights": loaded, "trace": comm, **stats}
             console.print(f"{model} {layout.model_dump()}: {stats['tokens_per_s']:.0f} tokens/s "

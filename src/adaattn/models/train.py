@@ -143,15 +143,27 @@ class Trainer:
         self.steps = 0
 
     def train_step(self, batch: Tensor | tuple[Tensor, Tensor],
-                   criterion: Callable[[Tensor, Tensor], Tensor] | None = None) -> dict[str, Tensor | int]:
+                   criterion: Callable[[Tensor, Tensor], Tensor] | None = None,
+                   micro_batches: int = 1) -> dict[str, Tensor | int]:
         """``batch``: tokens (B, S + 1), whose shifted halves are inputs and targets, or (inputs, targets).
-        ``criterion(logits, targets)``: the loss (default: mean cross-entropy over every position)."""
+        ``criterion(logits, targets)``: the loss (default: mean cross-entropy over every position).
+        ``micro_batches``: the batch split into that many equal parts, each's forward and backward in turn
+        (gradient accumulation: one part's activations in memory at a time), one optimizer step; the gradients
+        and the loss are the whole batch's mean. Under DDP or FSDP2 the gradients are reduced once, after the
+        last part."""
         inputs, targets = (batch[:, :-1], batch[:, 1:]) if isinstance(batch, Tensor) else batch
+        if not isinstance(micro_batches, int) or micro_batches < 1 or inputs.shape[0] % micro_batches:
+            raise ValueError(f"micro_batches={micro_batches!r} must be a positive int dividing the batch "
+                             f"({inputs.shape[0]} sequences)")
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         self.model.train()
-        with tf32_mode(self.tf32):
-            loss, total = self.loss(inputs, targets, criterion)
-            self.scaler.scale(total).backward()
+        losses = []
+        for i, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True)):
+            with tf32_mode(self.tf32), _gradient_sync(self.model, i == micro_batches - 1):
+                loss, total = self.loss(x, y, criterion)
+                self.scaler.scale(total / micro_batches).backward()
+            losses.append(loss.detach())
+        loss = losses[0] if micro_batches == 1 else torch.stack(losses).mean()
         self.scaler.unscale_(self.optimizer)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = clip_grad_norm(params, self.grad_clip if self.grad_clip is not None else float("inf"))
@@ -265,6 +277,20 @@ def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | d
     compiled, _ = optimize_model(model, compile_mode=compile_mode, tf32=False, compile_scope=compile_scope)
     return compiled, optimizer, Trainer(compiled, optimizer, dtype=dtype, grad_clip=grad_clip,
                                         tf32=tf32 if device.type == "cuda" else None, compile_loss=compile_loss)
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Within it, a backward reduces the gradients across ranks only if ``sync`` (DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync``): an accumulated step reduces once, after its last micro-batch."""
+    if isinstance(model, DistributedDataParallel) and not sync:
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2's FSDPModule
+        model.set_requires_gradient_sync(sync)
+        yield
+    else:
+        yield
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
