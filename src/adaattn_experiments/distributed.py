@@ -201,6 +201,8 @@ def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: 
              **({"status": "unavailable", "reason": "CPU processes: no CUDA allocator statistics"}
                 if job["device"] != "cuda" else {**ok, "reason": "the fullest rank's peak allocated memory"})},
             {**ok, "metric": "loss_last", "value": job["losses"][-1], "unit": "nats"},
+            {**ok, "metric": "micro_batches", "value": run.micro_batches, "unit": "count",
+             "reason": "each rank's batch a step in this many parts, the gradients reduced once"},
             *trace_rows(job.get("trace"))]
 
 

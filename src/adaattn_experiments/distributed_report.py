@@ -40,7 +40,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                 share = _median(good, "exposed_comm_share")
                 bad = job[job["status"] != "ok"]
                 table.append({"target": target, "model": model, "layout": layout, "ranks": int(ws),
-                              "batch": fmt(job["batch"].iloc[0]), "rounds": len(per_round),
+                              "batch": fmt(job["batch"].iloc[0]),
+                              "micro-batches": fmt(_median(good, "micro_batches")), "rounds": len(per_round),
                               "tokens/s": fmt(_median(good, "tokens_per_s")),
                               "tokens/s a rank": fmt(_median(good, "tokens_per_s_per_rank")),
                               "scaling efficiency": interval_text(*eff, unit="") if eff else "-",
@@ -80,7 +81,9 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "(`adaattn.distributed.train`; `docs/distributed.md`): `single` one rank, `ddp` DDP, `fsdp` FSDP2 (bf16 "
           "compute, fp32 gradient reduction), `tp` tensor parallelism (each rank its heads and MLP units; every rank "
           "the whole batch, and its tokens/s a rank the job's over the ranks). The batch a rank is fixed (weak "
-          "scaling), so N ranks train on N times the tokens a step. tokens/s: every rank's tokens over the slowest rank's seconds; scaling efficiency: "
+          "scaling), so N ranks train on N times the tokens a step; micro-batches: each rank's batch a step in that "
+          "many parts, forward and backward in turn, the gradients reduced once (gradient accumulation; '-' for "
+          "results from before it). tokens/s: every rank's tokens over the slowest rank's seconds; scaling efficiency: "
           "tokens/s a rank at N ranks over one rank's in the same round (the median over rounds, with its range or "
           "interval). comm ms a step: NCCL kernel time in the traced steps (GPU); exposed: the share of the step's "
           "GPU time when only communication ran (no kernel hid it), the rank that waited most. Peak: the fullest "
