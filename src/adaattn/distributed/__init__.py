@@ -1,5 +1,6 @@
 """Past one GPU, on the engine PyTorch has: torch.distributed launched by torchrun (one process a GPU, NCCL;
-gloo on CPUs), a device mesh, DDP, FSDP2 (``fully_shard``) and tensor parallelism (DTensor). ``docs/distributed.md`` has the commands."""
+gloo on CPUs), a device mesh, DDP, FSDP2 (``fully_shard``) and tensor parallelism (DTensor).
+``docs/distributed.md`` has the commands."""
 
 from adaattn.distributed.parallel import (
     MULTICAST_OFF,

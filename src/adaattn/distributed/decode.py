@@ -132,8 +132,8 @@ def main(
             prefill_ms = [max(r["prefill_ms"][i] for r in ranks) for i in range(rounds)]
             decode_ms = [max(r["decode_ms"][i] for r in ranks) for i in range(rounds)]
             tokens, logits = timed[-1][2], timed[-1][3]
-            run = {"model": model, "layout": layout.model_dump(), "shards": shards, "batch": batch_size, "prompt_len": P,
-                   "new_tokens": N, "dtype": dtype, "compiled": compiled, "device": device.type,
+            run = {"model": model, "layout": layout.model_dump(), "shards": shards, "batch": batch_size,
+                   "prompt_len": P, "new_tokens": N, "dtype": dtype, "compiled": compiled, "device": device.type,
                    "prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
                    "tokens_per_s": batch_size * 1e3 / statistics.median(decode_ms),
                    "peak_mib_max": max(r["peak_mib"] for r in ranks), "ranks": ranks,
@@ -147,7 +147,7 @@ def main(
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(run, indent=1))
     finally:
-        # the recorded CUDA graphs hold NCCL work: freed before the communicators are
+        # CUDA graphs that captured NCCL calls are freed before the communicators those calls use
         torch._dynamo.reset()
         if cuda:
             from torch._inductor.cudagraph_trees import reset_cudagraph_trees

@@ -85,10 +85,10 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, local: bool = False) -> 
     rank.
 
     Training shards with DTensor (``parallelize_module``), whose autograd places the backward's collectives.
-    ``local=True`` (inference, gpt-fast's way) keeps each rank's shard as a plain tensor and all-reduces the
-    row-wise projections' outputs with a functional collective: the compiled decode step then holds plain
-    tensors and NCCL calls that CUDA graphs capture (DTensor weights under ``reduce-overhead`` decoded slower on
-    two GPUs than one: docs/notebook.md, 2026-11-27)."""
+    ``local=True`` (inference only: the shards take no gradient; gpt-fast's way) keeps each rank's shard as a
+    plain tensor and all-reduces the row-wise projections' outputs with a functional collective: a compiled
+    decode step is then plain tensors and NCCL calls, which CUDA graphs capture whole, with none of DTensor's
+    dispatch in eager calls such as the prefill."""
     from adaattn.layers.common import SwiGLUMLP
     from adaattn.models.transformer import Attention
 

@@ -190,7 +190,8 @@ def main(
             checkpoint(save, net, optimizer, done + warmup + steps + (trace_steps if comm else 0))
         if dist.get_rank() == 0:
             run = {"model": model, "layout": layout.model_dump(), "steps": steps, "warmup": warmup,
-                   "batch": batch_size, "micro_batches": micro_batches, "seq_len": seq_len, "dtype": dtype, "device": device.type,
+                   "batch": batch_size, "micro_batches": micro_batches, "seq_len": seq_len, "dtype": dtype,
+                   "device": device.type,
                    "losses": [float(x) for x in losses], "weights": digest, "resumed_at": done,
                    "loaded_weights": loaded, "trace": comm, **stats}
             console.print(f"{model} {layout.model_dump()}: {stats['tokens_per_s']:.0f} tokens/s "
