@@ -95,19 +95,22 @@ def test_tensor_parallelism_trains_and_decodes_as_one_process_does(params_file, 
         assert outs[name]["layout"]["tp"] == 2 and len(outs[name]["decode_ms_per_token"]) == 1
 
 
-def decode(params: Path, out: Path, nproc: int, model: str = "dense_small", shards: str = "local", **layout: int):
+def decode(params: Path, out: Path, nproc: int, model: str = "dense_small", shards: str = "local",
+           extra: tuple[str, ...] = (), **layout: int):
     sets = [f"parallel.{k}={v}" for k, v in {"world_size": nproc, **layout}.items()]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "adaattn.distributed.decode", "--model", model, "--batch", "2", "--prompt-len", "8", "--new-tokens",
            "6", "--rounds", "1", "--dtype", "fp32", "--shards", shards, "--params", str(params), "--out", str(out),
-           *[a for s in sets for a in ("--set", s)]]
+           *[a for s in sets for a in ("--set", s)], *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_a_tensor_parallel_run_refuses_checkpoints_and_decode_refuses_data_parallelism(params_file, tmp_path):
     done = torchrun(params_file, tmp_path / "x.json", 2, tp=2, extra=("--save", str(tmp_path / "ck")))
     assert done.returncode != 0 and "checkpoints run with tp=1" in " ".join(done.stderr.split())
+    done = decode(params_file, tmp_path / "z.json", 2, tp=2, extra=("--allreduce", "one_shot"))
+    assert done.returncode != 0 and "needs CUDA GPUs, --compile and parallel.tp > 1" in " ".join(done.stderr.split())
     done = decode(params_file, tmp_path / "y.json", 2, dp=2)
     assert done.returncode != 0 and "decoding runs one process or tensor parallelism" in " ".join(done.stderr.split())
     assert "ProcessGroup" not in done.stderr and not (tmp_path / "y.json").exists()

@@ -31,7 +31,8 @@ def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
     from adaattn_experiments.distributed import STUDY
     from adaattn_experiments.distributed_report import render
 
-    decode = {"model": "dense_small", "batches": [1], "prompt_len": 8, "new_tokens": 4, "rounds": 1}
+    decode = {"model": "dense_small", "batches": [1], "prompt_len": 8, "new_tokens": 4, "rounds": 1,
+              "allreduce": ["nccl", "one_shot"]}
     params = _params({"layouts": ["ddp", "tp"], "decode": decode})
     df = pd.DataFrame(STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
     jobs = df[df["mode"] == "train"]
@@ -48,7 +49,9 @@ def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
     assert loss["tp"] == pytest.approx(loss["ddp"], rel=1e-5)
     dec = df[df["mode"] == "decode"]
     assert set(dec[dec.status == "ok"].provider) == {"single", "tp"}, dec[dec.status != "ok"].reason.tolist()
-    ms = dec[dec.metric == "decode_ms_per_token"]
+    (shot,) = dec[dec.provider == "tp_one_shot"].itertuples()  # symmetric memory: GPUs only, no job started
+    assert shot.status == "unavailable" and "on CUDA GPUs" in shot.reason
+    ms = dec[(dec.metric == "decode_ms_per_token") & (dec.status == "ok")]
     assert (ms.value > 0).all() and (ms.table_id == "G3-T3").all() and ms.reason.str.contains("eager").all()
     peak = jobs[jobs.metric == "rank_peak_mem_mb"]
     assert (peak.status == "unavailable").all() and peak.reason.str.contains("no CUDA").all()

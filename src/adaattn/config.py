@@ -657,7 +657,8 @@ DISTRIBUTED_LAYOUTS = ("ddp", "fsdp", "tp")
 class DistributedDecode(_Section):
     """G3-T3's +TensorParallel row: ``model`` decoded on one GPU and tensor-parallel over each world size of the
     study (``adaattn.distributed.decode``): a ``prompt_len`` prefill and ``new_tokens`` greedy steps a round, at
-    each of ``batches``, ``rounds`` timed rounds after one untimed; the step compiled with CUDA graphs on GPUs."""
+    each of ``batches``, ``rounds`` timed rounds after one untimed; the step compiled with CUDA graphs on GPUs,
+    its all-reduces by each of ``allreduce``."""
 
     model: str  # a preset of `models`: a dense decoder
     batches: Annotated[list[PositiveInt], Field(min_length=1)]
@@ -665,6 +666,8 @@ class DistributedDecode(_Section):
     new_tokens: Annotated[int, Field(ge=2)]
     rounds: PositiveInt = 3
     compile: bool = True
+    # the tensor-parallel jobs' all-reduces, a job each: NCCL's, or symmetric memory's one-shot (GPUs, compiled)
+    allreduce: Annotated[list[Literal["nccl", "one_shot"]], Field(min_length=1)] = ["nccl"]
 
 
 class DistributedRun(_Section):

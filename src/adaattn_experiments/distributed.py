@@ -128,19 +128,27 @@ class Distributed(StudyDef):
         rows = []
         for B in dec.batches:
             for ws in run.world_sizes:
-                layout = SINGLE if ws == 1 else "tp"
-                base = {"table_id": "G3-T3", "kernel": "", "model": dec.model, "world_size": ws, "batch": B,
-                        "seq_len": dec.prompt_len, "mode": "decode", "provider": layout,
-                        "case_id": f"decode/{dec.model}/b{B}/x{ws}"}
-                why = (f"world size {ws} needs {ws} GPUs; this machine has {held}" if held is not None and ws > held
-                       else unrunnable(params, dec.model, layout, ws))
-                if why is not None:
-                    rows.append({**base, "metric": "decode_ms_per_token", "value": None, "unit": "ms",
-                                 "status": "unavailable", "reason": why})
-                    continue
-                self.note(f"decode: {dec.model} batch {B} {layout} x{ws}, a torchrun job")
-                rows += [{**base, **r} for r in decode_job(B, ws, run, params_file, tmp)]
+                for allreduce in ["nccl"] if ws == 1 else dec.allreduce:
+                    rows += self._decode_job_rows(params, run, held, B, ws, allreduce, params_file, tmp)
         return rows
+
+    def _decode_job_rows(self, params: Params, run: DistributedRun, held: int | None, B: int, ws: int,
+                         allreduce: str, params_file: Path, tmp: Path) -> list[dict]:
+        dec = run.decode
+        layout = SINGLE if ws == 1 else "tp"
+        provider = layout if allreduce == "nccl" else f"{layout}_{allreduce}"
+        base = {"table_id": "G3-T3", "kernel": "", "model": dec.model, "world_size": ws, "batch": B,
+                "seq_len": dec.prompt_len, "mode": "decode", "provider": provider,
+                "case_id": f"decode/{dec.model}/b{B}/x{ws}/{allreduce}"}
+        why = (f"world size {ws} needs {ws} GPUs; this machine has {held}" if held is not None and ws > held
+               else "the one-shot all-reduce is symmetric memory's, on CUDA GPUs, in a compiled step"
+               if allreduce != "nccl" and (self.device != "cuda" or not dec.compile)
+               else unrunnable(params, dec.model, layout, ws))
+        if why is not None:
+            return [{**base, "metric": "decode_ms_per_token", "value": None, "unit": "ms", "status": "unavailable",
+                     "reason": why}]
+        self.note(f"decode: {dec.model} batch {B} {provider} x{ws}, a torchrun job")
+        return [{**base, **r} for r in decode_job(B, ws, allreduce, run, params_file, tmp)]
 
     def render(self, df: pd.DataFrame, out_dir: Path) -> list[Section]:
         from adaattn_experiments.distributed_report import render
@@ -206,17 +214,18 @@ def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: 
             *trace_rows(job.get("trace"))]
 
 
-def decode_job(batch: int, ws: int, run: DistributedRun, params_file: Path, tmp: Path) -> list[dict]:
+def decode_job(batch: int, ws: int, allreduce: str, run: DistributedRun, params_file: Path,
+               tmp: Path) -> list[dict]:
     dec = run.decode
     args = ["--model", dec.model, "--batch", str(batch), "--prompt-len", str(dec.prompt_len), "--new-tokens",
-            str(dec.new_tokens), "--rounds", str(dec.rounds), "--dtype", run.dtype,
+            str(dec.new_tokens), "--rounds", str(dec.rounds), "--dtype", run.dtype, "--allreduce", allreduce,
             "--compile" if dec.compile else "--no-compile", "--params", str(params_file)]
-    job = launch("adaattn.distributed.decode", args, ws, run, tmp / f"decode-{dec.model}-{batch}-{ws}.json",
-                 SINGLE if ws == 1 else "tp")
+    job = launch("adaattn.distributed.decode", args, ws, run,
+                 tmp / f"decode-{dec.model}-{batch}-{ws}-{allreduce}.json", SINGLE if ws == 1 else "tp")
     if isinstance(job, str):
         return [{"metric": "decode_ms_per_token", "value": None, "unit": "ms", "status": "error", "reason": job}]
     how = (f"{'compiled, CUDA graphs' if job['compiled'] else 'eager'}"
-           f"{'' if ws == 1 else ', ' + job['shards'] + ' shards'}; the median of {len(job['decode_ms_per_token'])} "
+           f"{'' if ws == 1 else ', ' + job['shards'] + ' shards, ' + allreduce + ' all-reduce'}; the median of {len(job['decode_ms_per_token'])} "
            "rounds, each round's slowest rank")
     ok = {"status": "ok", "samples": len(job["decode_ms_per_token"])}
     return [{**ok, "metric": "decode_ms_per_token", "value": statistics.median(job["decode_ms_per_token"]),

@@ -111,13 +111,13 @@ def _decode_section(df: pd.DataFrame, cpus: set[str]) -> Section:
         for (model, batch), runs in frame.groupby(["model", "batch"], sort=False):
             good = runs[runs["status"] == "ok"]
             one = _median(good[good["world_size"] == 1], "decode_ms_per_token")
-            for ws, job in runs.groupby("world_size", sort=False):
+            for (ws, layout), job in runs.groupby(["world_size", "provider"], sort=False):
                 ok = job[job["status"] == "ok"]
                 ms, peak = _median(ok, "decode_ms_per_token"), _median(ok, "rank_peak_mem_mb")
                 ratio = ms / one if ms is not None and one and ws > 1 else None
                 bad = job[job["status"] != "ok"]
                 table.append({"target": target, "model": model, "batch": int(batch), "ranks": int(ws),
-                              "layout": job["provider"].iloc[0], "prefill ms": fmt(_median(ok, "prefill_ms")),
+                              "layout": layout, "prefill ms": fmt(_median(ok, "prefill_ms")),
                               "decode ms a token": fmt(ms), "tokens/s": fmt(_median(ok, "tokens_per_s")),
                               "x one GPU's ms": fmt(ratio), "peak GiB a rank": fmt(peak / 1024 if peak else None),
                               "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
@@ -125,7 +125,8 @@ def _decode_section(df: pd.DataFrame, cpus: set[str]) -> Section:
                     continue
                 verdict = ("not measurable here" if cpu else "not measured yet" if ratio is None
                            else judge((ratio, ratio), (None, goal), False))
-                verdicts.append(Verdict("G3-T3", f"TP=2 batch-1 decode ms a token over one GPU's ({model})",
+                which = model if layout == "tp" else f"{model}, {layout.removeprefix('tp_')} all-reduce"
+                verdicts.append(Verdict("G3-T3", f"TP=2 batch-1 decode ms a token over one GPU's ({which})",
                                         f"<= {goal:g}", fmt(ratio) if ratio is not None else "-", hw, verdict,
                                         "gloo processes sharing a CPU's cores" if cpu else "each job's median round "
                                         "(compiled decode step, CUDA graphs), jobs one after another on one machine"))
@@ -136,10 +137,11 @@ def _decode_section(df: pd.DataFrame, cpus: set[str]) -> Section:
                                         fmt(gain) + "x" if gain else "-", hw,
                                         "not measurable here" if cpu else "not measured yet" if gain is None
                                         else judge((gain, gain), (claimed, claimed), True, tol),
-                                        f"one rank's decode step over TP=2's ({model}, batch 1; the guide's row before "
+                                        f"one rank's decode step over TP=2's ({which}, batch 1; the guide's row before "
                                         "is INT8 and names no model or GPUs, so its ratio is read, not its ms)"))
     md = ("A dense preset decoded on one rank and tensor-parallel over two (`adaattn.distributed.decode`: each rank "
-          "its heads and MLP units, two all-reduces a block, the embedding and LM head whole on every rank): a "
+          "its heads and MLP units, two all-reduces a block (`tp`: NCCL's; `tp_one_shot`: symmetric memory's one-shot "
+          "kernel, each rank reading its peers' partial sums), the embedding and LM head whole on every rank): a "
           "prefill of the prompt, then greedy decode steps compiled with CUDA graphs, in rounds after an untimed "
           "one; each round's time its slowest rank's, the median round shown. x one GPU's ms: the decode step's time "
           "over one rank's, the goal's ratio.\n\n" + md_table(pd.DataFrame(table)) + "\n")

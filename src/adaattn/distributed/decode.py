@@ -46,6 +46,9 @@ def main(
                                            "graphs (mode reduce-overhead; GPUs only)")] = True,
     shards: Annotated[str, typer.Option(help="tensor parallelism's weights: local (plain tensors, a functional "
                                         "all-reduce) or dtensor (parallelize_module's)")] = "local",
+    allreduce: Annotated[str, typer.Option(help="the compiled step's all-reduces: nccl, or one_shot (symmetric "
+                                           "memory: each rank reads its peers' partial sums over NVLink, no "
+                                           "multicast; inductor's lowering for messages up to 128 KiB)")] = "nccl",
     seed: Annotated[int, typer.Option(help="weights and prompt")] = 0,
     set_: Annotated[list[str] | None, typer.Option("--set", help="override a param, KEY=VALUE")] = None,
     params: Annotated[Path, typer.Option("--params", help="params.yaml to read")] = Path("params.yaml"),
@@ -69,6 +72,11 @@ def main(
             raise ConfigError(f"--dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
         if shards not in ("local", "dtensor"):
             raise ConfigError(f"--shards {shards!r}; allowed: local, dtensor")
+        if allreduce not in ("nccl", "one_shot"):
+            raise ConfigError(f"--allreduce {allreduce!r}; allowed: nccl, one_shot")
+        if allreduce == "one_shot" and not (torch.cuda.is_available() and compile_ and layout.tp > 1):
+            raise ConfigError("--allreduce one_shot lowers the compiled step's all-reduces to symmetric memory: it "
+                              "needs CUDA GPUs, --compile and parallel.tp > 1")
         if prompt_len + new_tokens > cfg.max_seq_len:
             raise ConfigError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} is over models.{model}."
                               f"max_seq_len={cfg.max_seq_len}")
@@ -93,6 +101,14 @@ def main(
         net = build_model(cfg, device=device).to(DTYPES[dtype]).eval().requires_grad_(False)
         if layout.tp > 1:
             tensor_parallel(net, mesh["tp"], local=shards == "local")
+        if allreduce == "one_shot":
+            # a decode step's all-reduces are a few KiB: latency, not bandwidth; inductor lowers those of a group
+            # with symmetric memory to one kernel that reads every peer's buffer directly
+            from torch._inductor import config as inductor_config
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+            enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
+            inductor_config._collective.auto_select = True
         P, N = prompt_len, new_tokens
         setup_kv_cache(net, batch_size, P + N, dtype=DTYPES[dtype])
         g = torch.Generator().manual_seed(seed)
@@ -132,7 +148,8 @@ def main(
             prefill_ms = [max(r["prefill_ms"][i] for r in ranks) for i in range(rounds)]
             decode_ms = [max(r["decode_ms"][i] for r in ranks) for i in range(rounds)]
             tokens, logits = timed[-1][2], timed[-1][3]
-            run = {"model": model, "layout": layout.model_dump(), "shards": shards, "batch": batch_size,
+            run = {"model": model, "layout": layout.model_dump(), "shards": shards, "allreduce": allreduce,
+                   "batch": batch_size,
                    "prompt_len": P, "new_tokens": N, "dtype": dtype, "compiled": compiled, "device": device.type,
                    "prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms,
                    "tokens_per_s": batch_size * 1e3 / statistics.median(decode_ms),
