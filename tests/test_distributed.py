@@ -81,6 +81,10 @@ def test_tensor_parallelism_trains_and_decodes_as_one_process_does(params_file, 
     assert_same_training(tp, one)
     # one batch shared by the pair: each rank is credited half its tokens
     assert [r["tokens"] for r in tp["ranks"]] == [3 * 4 * 32 / 2] * 2
+    if model == "llama_tiny":  # a 2-D mesh: two FSDP2 shards of a TP pair each, half the batch a pair
+        two_d = run(params_file, tmp_path / "2d.json", 4, model=model, fsdp=2, tp=2)
+        assert_same_training(two_d, one)
+        assert [r["tokens"] for r in two_d["ranks"]] == [3 * 2 * 32 / 2] * 4
     outs = {}
     # one process; two with plain local shards (the default); two with DTensor's (the training path's)
     for name, n, shards in (("one", 1, "local"), ("local", 2, "local"), ("dtensor", 2, "dtensor")):
@@ -168,8 +172,9 @@ def test_bad_layouts_name_the_key():
         check_layout(Layout(world_size=3, tp=3), cfg, "llama_1b", world_size=3)
     with pytest.raises(ConfigError, match=r"parallel.tp=8 must divide models.llama_1b's kv heads \(4\)"):
         check_layout(Layout(world_size=8, tp=8), cfg, "llama_1b", world_size=8)
-    with pytest.raises(ConfigError, match="tensor parallelism runs alone for now"):
-        check_layout(Layout(world_size=4, fsdp=2, tp=2), cfg, "llama_1b", world_size=4)
+    with pytest.raises(ConfigError, match="parallel.tp=2 with parallel.dp=2: tensor parallelism composes with FSDP2"):
+        check_layout(Layout(world_size=4, dp=2, tp=2), cfg, "llama_1b", world_size=4)
+    check_layout(Layout(world_size=4, fsdp=2, tp=2), cfg, "llama_1b", world_size=4)  # a 2-D mesh
     hydra = validate(raw).models["hydra_1b"]
     with pytest.raises(ConfigError, match="attention='ccgqa'"):
         check_layout(Layout(world_size=2, tp=2), hydra, "hydra_1b", world_size=2)

@@ -54,11 +54,13 @@ TP_ATTENTION = ("sdpa", "naive", "flexible")  # the zoo's Attention module: one 
 
 
 def check_tensor_parallel(layout: Layout, cfg: ModelConfig, model: str = "model") -> None:
-    """What ``tensor_parallel`` shards: whole heads (query and kv) and the MLP's hidden units, per rank."""
+    """What ``tensor_parallel`` shards: whole heads (query and kv) and the MLP's hidden units, per rank; beside
+    FSDP2 only (a 2-D mesh), not beside DDP."""
     tp, key = layout.tp, f"models.{model}"
-    if layout.world_size != tp:
-        raise ConfigError(f"parallel.tp={tp} with parallel.dp={layout.dp}, parallel.fsdp={layout.fsdp}: tensor "
-                          "parallelism runs alone for now (tp = world_size); allowed: dp=1, fsdp=1")
+    if layout.dp > 1:
+        raise ConfigError(f"parallel.tp={tp} with parallel.dp={layout.dp}: tensor parallelism composes with FSDP2 "
+                          "(a 2-D mesh: parallel.fsdp shards of tp ranks each), not with DDP or HSDP's replicas; "
+                          "allowed with tp > 1: dp=1")
     if cfg.attention not in TP_ATTENTION or cfg.memory_slots is not None or cfg.routed:
         raise ConfigError(f"{key}: tensor parallelism shards the dense Attention (attention one of "
                           f"{', '.join(TP_ATTENTION)}, no memory_slots, no routing); this preset has attention="
@@ -161,10 +163,11 @@ def init_mesh(layout: Layout) -> DeviceMesh:
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module:
     """``model`` (on this rank's device, the same weights on every rank) wrapped for ``layout``: FSDP2 where
     ``fsdp`` > 1 (each block its own unit, so one block's parameters are gathered at a time, then the rest at the
-    root; over a (dp, fsdp) mesh where dp > 1 too: HSDP), else DDP where ``dp`` > 1, tensor parallelism where
-    ``tp`` > 1 (``tensor_parallel``), else itself."""
+    root; over a (dp, fsdp) mesh where dp > 1 too: HSDP), else DDP where ``dp`` > 1. Tensor parallelism where
+    ``tp`` > 1 (``tensor_parallel``) comes first: FSDP2 then shards its DTensors over the fsdp dimension too (a
+    2-D mesh, torchtitan's order)."""
     if layout.tp > 1:
-        return tensor_parallel(model, mesh["tp"])
+        tensor_parallel(model, mesh["tp"])
     if layout.fsdp > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -181,7 +184,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module
         # the root's own parameters (embeddings, final norm, head) are used last in the forward, first in the
         # backward: kept gathered between the two
         return fully_shard(model, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=False)
-    if layout.dp > 1:
+    if layout.dp > 1:  # check_layout refuses DDP beside tensor parallelism
         from torch.nn.parallel import DistributedDataParallel
 
         local = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None

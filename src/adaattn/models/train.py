@@ -205,18 +205,19 @@ def _full(norm: Tensor) -> Tensor:
 
 
 def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
-    """``clip_grad_norm_`` where parameters may mix DTensors (FSDP's shards, tensor parallelism's sharded
-    projections) and plain tensors (tensor parallelism's replicated norms and embeddings), which one norm over
-    both refuses: each kind's norm apart, the whole norm from the two, every gradient scaled by it. The whole
-    norm, as a plain tensor."""
-    with_grad = [p for p in params if p.grad is not None]
-    kinds = [k for k in ([p for p in with_grad if isinstance(p.grad, DTensor)],
-                         [p for p in with_grad if not isinstance(p.grad, DTensor)]) if k]
+    """``clip_grad_norm_`` where gradients may be DTensors on different meshes and plain tensors (tensor
+    parallelism's sharded projections beside its whole norms and embeddings; under FSDP2 too, 1-D and 2-D
+    shards), which one norm over them all refuses: each kind's norm apart, the whole norm from them, every
+    gradient scaled by it. The whole norm, as a plain tensor."""
+    kinds: dict[object, list[Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            kinds.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     if len(kinds) < 2:
         return _full(torch.nn.utils.clip_grad_norm_(params, max_norm))
     total = torch.linalg.vector_norm(torch.stack([_full(torch.nn.utils.get_total_norm([p.grad for p in k]))
-                                                  for k in kinds]))
-    for k in kinds:
+                                                  for k in kinds.values()]))
+    for k in kinds.values():
         torch.nn.utils.clip_grads_with_norm_(k, max_norm, total)
     return total
 
@@ -236,10 +237,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         seen.add(id(p))
         (decay if p.dim() >= 2 and id(p) not in embeddings else rest).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    # a fused or foreach step refuses DTensors and plain tensors in one list (tensor parallelism has both)
-    return [{**g, "params": part} for g in groups
-            for part in ([p for p in g["params"] if isinstance(p, DTensor)],
-                         [p for p in g["params"] if not isinstance(p, DTensor)]) if part or not g["params"]]
+    # a fused or foreach step refuses DTensors of different meshes, or beside plain tensors, in one list (tensor
+    # parallelism has plain norms beside its shards; under FSDP2 too, 1-D shards beside 2-D ones)
+    out = []
+    for g in groups:
+        kinds: dict[object, list[Tensor]] = {}
+        for p in g["params"]:
+            kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        out += [{**g, "params": part} for part in kinds.values()] or [g]
+    return out
 
 
 def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | dict, lr: float = 3e-4,
