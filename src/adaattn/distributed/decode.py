@@ -29,9 +29,10 @@ from rich.console import Console
 
 from adaattn.config import ConfigError, load_params
 from adaattn.distributed.parallel import check_layout, init_mesh, tensor_parallel
+from adaattn.models.train import DTYPES
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DECODE_DTYPES = ("bf16", "fp32")
 
 
 @app.command()
@@ -68,8 +69,8 @@ def main(
         if layout.dp > 1 or layout.fsdp > 1:
             raise ConfigError(f"parallel.dp={layout.dp}, parallel.fsdp={layout.fsdp}: decoding runs one process or "
                               "tensor parallelism; allowed: dp=1, fsdp=1 (replicas decode apart, with no traffic)")
-        if dtype not in DTYPES:
-            raise ConfigError(f"--dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        if dtype not in DECODE_DTYPES:
+            raise ConfigError(f"--dtype {dtype!r}; allowed: {', '.join(DECODE_DTYPES)}")
         if shards not in ("local", "dtensor"):
             raise ConfigError(f"--shards {shards!r}; allowed: local, dtensor")
         if allreduce not in ("nccl", "one_shot"):
