@@ -110,6 +110,9 @@ def main(
 
             enable_symm_mem_for_group(mesh["tp"].get_group().group_name)
             inductor_config._collective.auto_select = True
+            # CUDA-graph trees (torch 2.11) refuse the symmetric buffers the lowering allocates in their pool
+            # ("tensors in the cudagraph pool not tracked as outputs"); the one-graph-per-shape capture takes them
+            inductor_config.triton.cudagraph_trees = False
         P, N = prompt_len, new_tokens
         setup_kv_cache(net, batch_size, P + N, dtype=DTYPES[dtype])
         g = torch.Generator().manual_seed(seed)
