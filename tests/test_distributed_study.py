@@ -159,3 +159,27 @@ def test_a_layout_a_preset_cannot_run_is_a_row_that_says_so(monkeypatch):
     (row,) = rows
     assert row["provider"] == "tp" and row["status"] == "unavailable"
     assert "tensor parallelism shards the dense Attention" in row["reason"] and "ccgqa" in row["reason"]
+
+
+def test_later_rounds_run_only_while_the_budget_lasts(monkeypatch):
+    """Round 1 (with the traces), then the all-reduce, then round 2's jobs while each one's round-1 time still fits
+    budget_s; the rest rows that say why not."""
+    from adaattn_experiments import distributed
+
+    params = _params({"layouts": ["ddp", "fsdp"], "repeats": 2, "budget_s": 45, "trace_steps": 1})
+    clock, ran = [0.0], []
+
+    def job(model, layout, ws, run, params_file, tmp, trace):
+        ran.append((layout, trace))
+        clock[0] += 10  # every job takes 10 s
+        return [{"metric": "tokens_per_s", "value": 1.0, "status": "ok"}]
+
+    monkeypatch.setattr(distributed, "run_job", job)
+    monkeypatch.setattr(distributed.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: ran.append(("all-reduce", None)) or [])
+    rows = distributed.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    # round 2's one-rank job starts at 30 s (30 + 10 <= 45); its DDP job would end at 50
+    assert ran == [("single", 1), ("ddp", 1), ("fsdp", 1), ("all-reduce", None), ("single", 0)]
+    skipped = [r for r in rows if r["status"] == "unavailable"]
+    assert [(r["provider"], r["case_id"][-2:]) for r in skipped] == [("ddp", "r1"), ("fsdp", "r1")]
+    assert skipped[0]["reason"] == "round 2 not run: its 10 s (round 1's) past G3-T2 budget_s=45 at 40 s"

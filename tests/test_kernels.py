@@ -455,7 +455,7 @@ def test_bad_inputs_are_rejected():
     x = _randn(4, 8)
     with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16; got torch.int64"):
         K.rms_norm(x.long(), torch.ones(8, device=DEVICE))
-    for eps in (-1e-6, 0.0, float("nan"), "1e-6", True):
+    for eps in (-1e-6, 0.0, float("nan"), float("inf"), "1e-6", True):
         with pytest.raises(ValueError, match="eps must be a finite number > 0"):
             K.rms_norm(x, torch.ones(8, device=DEVICE), eps)
     with pytest.raises(ValueError, match=r"weight must be \(hidden,\) = \(8,\) for x of shape \(4, 8\); got \(8, 1\)"):

@@ -679,7 +679,10 @@ class DistributedRun(_Section):
     ``warmup`` untimed steps, then ``steps`` timed, then on GPUs ``trace_steps`` traced (the share of a step's
     communication no computation hid). ``repeats`` rounds of every job, the layouts interleaved in each round:
     the scaling efficiency is read per round. NCCL's (gloo's) all-reduce bus bandwidth at each of
-    ``allreduce_mib`` in the same run, at the largest world size: the ceiling for the gradients' traffic."""
+    ``allreduce_mib`` in the same run, at the largest world size: the ceiling for the gradients' traffic.
+    ``budget_s``: the run's time from its first job; the first round, the decode jobs and the all-reduce run
+    first, and a later round's job starts only if its first-round time still fits (a row says which did not):
+    a machine lent for a few minutes a call keeps what was measured."""
 
     models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
     layouts: Annotated[list[Literal[DISTRIBUTED_LAYOUTS]], Field(min_length=1)]  # type: ignore[valid-type]
@@ -694,6 +697,7 @@ class DistributedRun(_Section):
     repeats: PositiveInt = 1  # every job this many times, the layouts' jobs interleaved in each round
     trace_steps: NonNegativeInt = 0  # GPU: steps after the timed ones, traced: the exposed communication
     timeout_s: float = Field(300, gt=0)  # one torchrun job
+    budget_s: PositiveFloat | None = None  # the whole run's jobs (None: no limit)
     decode: DistributedDecode | None = None  # G3-T3's +TensorParallel row
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,41 +86,57 @@ class Distributed(StudyDef):
         held = torch.cuda.device_count() if self.device == "cuda" else None
         if self.device == "cuda":
             torch.cuda.empty_cache()  # the ceilings' blocks: the jobs share GPU 0 with this process's context
-        rows = []
+        rows, took = [], {}
+        start = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
             # the children read the same params this run did (overrides included)
             params_file = Path(tmp) / "params.yaml"
             params_file.write_text(yaml.safe_dump(params.model_dump(by_alias=True, mode="json", exclude_none=True),
                                                   sort_keys=False))
-            for rnd in range(run.repeats):  # rounds: a slow spell of the machine falls on every layout alike
-                trace = run.trace_steps if rnd == run.repeats - 1 else 0
-                for model in run.models:
-                    for ws in run.world_sizes:
-                        for layout in [SINGLE] if ws == 1 else run.layouts:
-                            base = {"table_id": "G3-T2", "kernel": "", "model": model, "world_size": ws,
-                                    "batch": run.batch_per_rank * ws, "seq_len": run.seq_len, "mode": "train",
-                                    "case_id": f"distributed/{model}/x{ws}/r{rnd}", "provider": layout}
-                            if held is not None and ws > held:
-                                if rnd == 0:
-                                    rows.append({**base, "metric": "tokens_per_s", "value": None, "unit": "tokens/s",
-                                                 "status": "unavailable", "reason": f"world size {ws} needs {ws} "
-                                                 f"GPUs; this machine has {held}"})
-                                continue
-                            why = unrunnable(params, model, layout, ws)
-                            if why is not None:
-                                if rnd == 0:
-                                    rows.append({**base, "metric": "tokens_per_s", "value": None,
-                                                 "unit": "tokens/s", "status": "unavailable", "reason": why})
-                                continue
-                            self.note(f"round {rnd + 1}/{run.repeats}: {model} {layout} x{ws}, a torchrun job")
-                            rows += [{**base, **r} for r in run_job(model, layout, ws, run, params_file, Path(tmp),
-                                                                    trace)]
+            # round 0 with its traces, then the decode jobs and the all-reduce, then the rounds the budget allows
+            rows += self._round(params, run, held, 0, params_file, Path(tmp), took, start)
             if run.decode is not None:
                 rows += self._decode_rows(params, run, held, params_file, Path(tmp))
             largest = max(w for w in run.world_sizes if held is None or w <= held)
             if largest > 1:
                 self.note(f"all-reduce bus bandwidth x{largest}")
                 rows += allreduce_rows(largest, run, Path(tmp))
+            for rnd in range(1, run.repeats):  # rounds: a slow spell of the machine falls on every layout alike
+                rows += self._round(params, run, held, rnd, params_file, Path(tmp), took, start)
+        return rows
+
+    def _round(self, params: Params, run: DistributedRun, held: int | None, rnd: int, params_file: Path, tmp: Path,
+               took: dict[tuple, float], start: float) -> list[dict]:
+        """One round of every training job; ``took``: each job's seconds in round 0 (filled by it), which a later
+        round's job must still fit in ``run.budget_s`` from ``start``."""
+        rows = []
+        for model in run.models:
+            for ws in run.world_sizes:
+                for layout in [SINGLE] if ws == 1 else run.layouts:
+                    base = {"table_id": "G3-T2", "kernel": "", "model": model, "world_size": ws,
+                            "batch": run.batch_per_rank * ws, "seq_len": run.seq_len, "mode": "train",
+                            "case_id": f"distributed/{model}/x{ws}/r{rnd}", "provider": layout}
+                    why = (f"world size {ws} needs {ws} GPUs; this machine has {held}"
+                           if held is not None and ws > held else unrunnable(params, model, layout, ws))
+                    if why is not None:
+                        if rnd == 0:
+                            rows.append({**base, "metric": "tokens_per_s", "value": None, "unit": "tokens/s",
+                                         "status": "unavailable", "reason": why})
+                        continue
+                    key = (model, layout, ws)
+                    elapsed = time.monotonic() - start
+                    if rnd and run.budget_s is not None and elapsed + took.get(key, 0.0) > run.budget_s:
+                        rows.append({**base, "metric": "tokens_per_s", "value": None, "unit": "tokens/s",
+                                     "status": "unavailable", "reason": f"round {rnd + 1} not run: its "
+                                     f"{took.get(key, 0.0):.0f} s (round 1's) past G3-T2 budget_s={run.budget_s:g} "
+                                     f"at {elapsed:.0f} s"})
+                        continue
+                    self.note(f"round {rnd + 1}/{run.repeats}: {model} {layout} x{ws}, a torchrun job")
+                    t0 = time.monotonic()
+                    # the trace in the first round: after its timed steps, so it costs them nothing
+                    rows += [{**base, **r} for r in run_job(model, layout, ws, run, params_file, tmp,
+                                                            run.trace_steps if rnd == 0 else 0)]
+                    took.setdefault(key, time.monotonic() - t0)
         return rows
 
     def _decode_rows(self, params: Params, run: DistributedRun, held: int | None, params_file: Path,

@@ -18,7 +18,8 @@ def check_float(name: str, t: Tensor) -> None:
 
 
 def check_eps(eps: float) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (eps > 0 and math.isfinite(eps)):
+    # comparisons, not math.isfinite: a compiled caller's float attribute may be traced as a symbolic float
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
         raise ValueError(f"eps must be a finite number > 0; got {eps!r}")
 
 
