@@ -128,6 +128,7 @@ def test_layouts_and_the_bus_factor():
     assert layout_sets("fsdp", 4)[1:3] == ["parallel.dp=1", "parallel.fsdp=4"]
     assert layout_sets("single", 1)[:3] == ["parallel.world_size=1", "parallel.dp=1", "parallel.fsdp=1"]
     assert layout_sets("tp", 2) == ["parallel.world_size=2", "parallel.dp=1", "parallel.fsdp=1", "parallel.tp=2"]
+    assert layout_sets("fsdp_tp", 8) == ["parallel.world_size=8", "parallel.dp=1", "parallel.fsdp=4", "parallel.tp=2"]
     assert (bus_factor(1), bus_factor(2), bus_factor(8)) == (0.0, 1.0, 1.75)
 
 
@@ -183,3 +184,19 @@ def test_later_rounds_run_only_while_the_budget_lasts(monkeypatch):
     skipped = [r for r in rows if r["status"] == "unavailable"]
     assert [(r["provider"], r["case_id"][-2:]) for r in skipped] == [("ddp", "r1"), ("fsdp", "r1")]
     assert skipped[0]["reason"] == "round 2 not run: its 10 s (round 1's) past G3-T2 budget_s=45 at 40 s"
+
+
+def test_fsdp_over_tp_pairs_needs_four_ranks(monkeypatch):
+    """At two ranks FSDP2 x TP would be TP alone: a row that says so, no job; at four, a job of a 2 x 2 mesh."""
+    from adaattn_experiments import distributed
+
+    params = _params({"layouts": ["fsdp_tp"], "world_sizes": [1, 2, 4]})
+    ran = []
+    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a: ran.append((layout, ws)) or [])
+    monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: [])
+    rows = distributed.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    assert ran == [("single", 1), ("fsdp_tp", 4)]
+    (row,) = rows
+    assert row["world_size"] == 2 and row["status"] == "unavailable"
+    assert row["reason"] == "fsdp_tp shards tensor-parallel pairs: an even world size of at least 4; got 2 (at 2 it " \
+                            "is tp alone)"

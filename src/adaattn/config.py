@@ -651,7 +651,7 @@ class G3T3Section(ByProfile):
     gpu: InferenceSweep
 
 
-DISTRIBUTED_LAYOUTS = ("ddp", "fsdp", "tp")
+DISTRIBUTED_LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")  # fsdp_tp: FSDP2 over tensor-parallel pairs (a 2-D mesh)
 
 
 class DistributedDecode(_Section):

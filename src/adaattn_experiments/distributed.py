@@ -35,9 +35,15 @@ SINGLE = "single"  # the one-rank baseline of every layout
 
 
 def layout_of(layout: str, world_size: int) -> Layout:
-    """The ``parallel`` section of a layout at a world size (``single``: one rank)."""
+    """The ``parallel`` section of a layout at a world size (``single``: one rank; ``fsdp_tp``: FSDP2 shards of
+    tensor-parallel pairs, the pairs inside a node's fastest links)."""
     if world_size == 1 or layout == SINGLE:
         return Layout()
+    if layout == "fsdp_tp":
+        if world_size < 4 or world_size % 2:
+            raise ConfigError(f"fsdp_tp shards tensor-parallel pairs: an even world size of at least 4; got "
+                              f"{world_size} (at 2 it is tp alone)")
+        return Layout(world_size=world_size, fsdp=world_size // 2, tp=2)
     return Layout(world_size=world_size, **{{"ddp": "dp", "fsdp": "fsdp", "tp": "tp"}[layout]: world_size})
 
 

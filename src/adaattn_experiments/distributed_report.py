@@ -51,7 +51,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                               "peak GiB a rank": fmt(peak / 1024 if peak is not None else None),
                               "last loss": fmt(_median(good, "loss_last")),
                               "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
-                if ws == 1 or layout == "tp":  # the goal is data parallelism's; tensor parallelism's is in the table
+                if ws == 1 or layout in ("tp", "fsdp_tp"):  # the goal is DDP's and FSDP2's; TP's in the table
                     continue
                 claim = f"{'DDP' if layout == 'ddp' else 'FSDP2'} x{int(ws)} scaling efficiency ({model})"
                 verdict = ("not measurable here" if cpu else "not measured yet" if eff is None
