@@ -81,10 +81,10 @@ def test_tensor_parallelism_trains_and_decodes_as_one_process_does(params_file, 
     assert_same_training(tp, one)
     # one batch shared by the pair: each rank is credited half its tokens
     assert [r["tokens"] for r in tp["ranks"]] == [3 * 4 * 32 / 2] * 2
-    if model == "llama_tiny":  # a 2-D mesh: two FSDP2 shards of a TP pair each, half the batch a pair
-        two_d = run(params_file, tmp_path / "2d.json", 4, model=model, fsdp=2, tp=2)
+    if model == "llama_tiny":  # a 2-D mesh of eight ranks (the 8-GPU layout): four FSDP2 shards of TP pairs
+        two_d = run(params_file, tmp_path / "2d.json", 8, model=model, fsdp=4, tp=2)
         assert_same_training(two_d, one)
-        assert [r["tokens"] for r in two_d["ranks"]] == [3 * 2 * 32 / 2] * 4
+        assert [r["tokens"] for r in two_d["ranks"]] == [3 * 1 * 32 / 2] * 8  # a quarter of the batch a pair
     outs = {}
     # one process; two with plain local shards (the default); two with DTensor's (the training path's)
     for name, n, shards in (("one", 1, "local"), ("local", 2, "local"), ("dtensor", 2, "dtensor")):

@@ -200,3 +200,27 @@ def test_fsdp_over_tp_pairs_needs_four_ranks(monkeypatch):
     assert row["world_size"] == 2 and row["status"] == "unavailable"
     assert row["reason"] == "fsdp_tp shards tensor-parallel pairs: an even world size of at least 4; got 2 (at 2 it " \
                             "is tp alone)"
+
+
+def test_the_8_gpu_projection_is_a_range_from_the_2_gpu_jobs_and_never_a_measurement():
+    from adaattn_experiments.distributed_report import projection, render
+
+    rows = []
+    for target in ("h100x2", "cpu"):
+        for layout, ws, step, comm, exposed in (("single", 1, 100.0, None, None), ("ddp", 2, 110.0, 20.0, 5.0)):
+            case = {"case_id": f"distributed/m/x{ws}/r0", "provider": layout, "world_size": ws, "model": "m",
+                    "batch": 4 * ws, "mode": "train", "status": "ok", "target": target,
+                    "hardware": "gpu" if target != "cpu" else "cpu", "cuda": "13.0" if target != "cpu" else None}
+            metrics = {"step_ms": step, "tokens_per_s_per_rank": 1000.0, "tokens_per_s": 1000.0 * ws,
+                       "comm_ms": comm, "exposed_comm_ms": exposed}
+            rows += [{**case, "metric": k, "value": v} for k, v in metrics.items() if v is not None]
+    df = pd.DataFrame(rows)
+    got = projection(df, {"cpu"})
+    assert [(r["target"], r["ranks"]) for r in got] == [("h100x2", 4), ("h100x2", 8)]  # no CPU target, no fsdp
+    # 8 ranks: 1.75x the traffic; 100 / (110 + 0.75 x 20) = 0.80 to 100 / (110 + 0.75 x 5) = 0.879
+    assert got[1]["scaling efficiency, projected"] == "0.80-0.88"
+    assert got[1]["tokens/s, projected"] == "6.4e+03-7.03e+03"
+    (section,) = render(df, Path("."))
+    assert "Projected, not measured" in section.markdown
+    eight = [v for v in section.verdicts if v.claim.startswith("8xH100")]
+    assert eight and all(v.measured == "-" and v.verdict != "holds" for v in eight)

@@ -17,6 +17,35 @@ def _median(frame: pd.DataFrame, metric: str):
     return float(v.median()) if len(v) else None
 
 
+def projection(jobs: pd.DataFrame, cpus: set[str], ranks: tuple[int, ...] = (4, 8)) -> list[dict]:
+    """DDP's and FSDP2's scaling efficiency and tokens/s at each of ``ranks``, projected from a GPU target's one-
+    and two-rank jobs: step times t1 and t2, and t2's NCCL time c2 and its exposed part e2 a step (the trace). At n
+    ranks a rank's collective traffic is 2 (n - 1) / n = f times two ranks' (ring; the same bus bandwidth), so
+    the step is between t2 + (f - 1) e2 (only the exposed part grows) and t2 + (f - 1) c2 (all that is added is
+    exposed); the efficiency is t1 over it."""
+    rows = []
+    for target, frame in jobs.groupby("target", sort=False):
+        if target in cpus:  # gloo processes sharing a CPU's cores: nothing to project a GPU's scaling from
+            continue
+        ok = frame[frame["status"] == "ok"]
+        for model, runs in ok.groupby("model", sort=False):
+            one = runs[runs["provider"] == SINGLE]
+            t1, per_rank = _median(one, "step_ms"), _median(one, "tokens_per_s_per_rank")
+            for layout in ("ddp", "fsdp"):
+                two = runs[(runs["provider"] == layout) & (runs["world_size"] == 2)]
+                t2, c2, e2 = (_median(two, m) for m in ("step_ms", "comm_ms", "exposed_comm_ms"))
+                if None in (t1, per_rank, t2, c2, e2):
+                    continue
+                for n in ranks:
+                    grow = 2 * (n - 1) / n - 1
+                    low, high = t1 / (t2 + grow * c2), t1 / (t2 + grow * e2)
+                    rows.append({"target": target, "model": model, "layout": layout, "ranks": n,
+                                 "from": f"t1 {fmt(t1)} ms, t2 {fmt(t2)} ms, comm {fmt(c2)} ms ({fmt(e2)} exposed)",
+                                 "scaling efficiency, projected": f"{low:.2f}-{high:.2f}",
+                                 "tokens/s, projected": f"{fmt(n * per_rank * low)}-{fmt(n * per_rank * high)}"})
+    return rows
+
+
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     jobs = df[df["mode"] == "train"]
     jobs = jobs.assign(round=jobs["case_id"].str.extract(r"/r(\d+)$")[0])
@@ -68,7 +97,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             if "A100" in row:
                 verdict, why = "not measurable here", "no A100 here"
             elif row.startswith("8x"):
-                verdict, why = "not measured yet", "the 8-GPU rows are the 8-GPU issue's (50)"
+                verdict, why = "not measured yet", ("the 8-GPU rows are the 8-GPU issue's (50); the table below "
+                                                    "projects 4 and 8 GPUs from the 2-GPU jobs: not a measurement")
             else:
                 verdict, why = ("not measured yet", "the guide's row is its LTM model at batch 32; this study trains "
                                 "the presets named above at a fixed batch a rank, and reads them against each other")
@@ -92,6 +122,14 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         md += ("\nAll-reduce bus bandwidth in the same run (`adaattn.distributed.allreduce`, nccl-tests' convention: "
                "bytes over the slowest rank's time, times 2 (n - 1) / n): the ceiling for the gradients' "
                "traffic.\n\n" + md_table(pd.DataFrame(bus)) + "\n")
+    projected = projection(jobs, cpus)
+    if projected:
+        md += ("\nProjected, not measured: DDP and FSDP2 at 4 and 8 GPUs from the 1- and 2-GPU jobs above. Each rank "
+               "computes the same a step at any world size (weak scaling); its ring collectives' traffic grows as "
+               "2 (n - 1) / n, 1.5x at 4 ranks and 1.75x at 8 over 2's, at the bus bandwidth measured at 2 ranks "
+               "(one host's NVLink). The low end counts all the added communication time as exposed (comm ms a step "
+               "times the growth), the high end only the exposed part's growth. The guide's 8-GPU rows wait for "
+               "measured ones (issue 50).\n\n" + md_table(pd.DataFrame(projected)) + "\n")
     sections = [Section("G3-T2", "Training Performance: one GPU and more (DDP, FSDP2, TP), all-reduce bandwidth",
                         md, verdicts)]
     decode = df[df["mode"] == "decode"]
