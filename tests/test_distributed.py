@@ -53,6 +53,8 @@ def run(params: Path, out: Path, nproc: int, **kw) -> dict:
 def assert_same_training(a: dict, b: dict) -> None:
     """The same losses step by step and the same weights after the steps (fp32; reductions in another order)."""
     assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)
+    # the reduced gradients' norm, step by step: a rank that skipped or doubled a reduction would show here
+    assert a["grad_norms"] == pytest.approx(b["grad_norms"], rel=1e-3) and len(a["grad_norms"]) == len(a["losses"])
     assert a["weights"].keys() == b["weights"].keys()
     for name, value in b["weights"].items():
         assert a["weights"][name] == pytest.approx(value, rel=1e-5), name
@@ -139,7 +141,8 @@ def test_a_checkpoint_saved_at_world_size_2_resumes_at_world_size_1(params_file,
     resumed = run(params_file, tmp_path / "b.json", 1, steps=2, extra=("--load", str(folder)))
     assert resumed["resumed_at"] == 3 and resumed["loaded_weights"] == saved["weights"]
     straight = run(params_file, tmp_path / "c.json", 1, steps=5)  # the same five steps in one process
-    assert_same_training({**resumed, "losses": saved["losses"] + resumed["losses"]}, straight)
+    assert_same_training({**resumed, "losses": saved["losses"] + resumed["losses"],
+                          "grad_norms": saved["grad_norms"] + resumed["grad_norms"]}, straight)
     assert not list(tmp_path.glob(".ckpt.*"))  # written whole, then renamed
 
 

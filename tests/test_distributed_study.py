@@ -41,7 +41,7 @@ def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
     for layout, ws in (("single", 1), ("ddp", 2), ("tp", 2)):
         mine = ok[ok.provider == layout].set_index("metric")["value"]
         assert mine["tokens_per_s"] > 0 and mine["tokens_per_s_per_rank"] == pytest.approx(mine["tokens_per_s"] / ws)
-        assert mine["step_ms"] > 0 and mine["loss_last"] > 0
+        assert mine["step_ms"] > 0 and mine["loss_last"] > 0 and mine["loss_first"] > 0
         # weak scaling: the batch a rank fixed (a tensor-parallel pair shares the pair's batch)
         assert (jobs[jobs.provider == layout].batch == 2 * ws).all()
     # both two-rank layouts train the same weights on the same batch of 4: one loss
@@ -63,6 +63,8 @@ def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
     section, tp = render(pd.concat([cpu, gpu]), Path("."))
     assert not [v for v in section.verdicts if "TP" in v.claim or "tensor" in v.claim]  # the goal is DDP's, FSDP2's
     assert "| tp " in section.markdown or "| tp |" in section.markdown
+    first, last = (ok[(ok.provider == "ddp") & (ok.metric == m)].value.iloc[0] for m in ("loss_first", "loss_last"))
+    assert f"{first:.3g} -> {last:.3g}" in section.markdown
     goal = [v for v in tp.verdicts if v.claim == "TP=2 batch-1 decode ms a token over one GPU's (dense_small)"]
     assert [v.verdict for v in goal][0] == "not measurable here"
     one, two = (ms[ms.world_size == w].value.iloc[0] for w in (1, 2))

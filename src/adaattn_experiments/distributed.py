@@ -231,6 +231,8 @@ def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: 
             {"metric": "rank_peak_mem_mb", "value": job["peak_mib_max"], "unit": "MiB",
              **({"status": "unavailable", "reason": "CPU processes: no CUDA allocator statistics"}
                 if job["device"] != "cuda" else {**ok, "reason": "the fullest rank's peak allocated memory"})},
+            {**ok, "metric": "loss_first", "value": job["losses"][0], "unit": "nats",
+             "reason": "the first step's (warm-up included): beside the last, whether the job trained"},
             {**ok, "metric": "loss_last", "value": job["losses"][-1], "unit": "nats"},
             {**ok, "metric": "micro_batches", "value": run.micro_batches, "unit": "count",
              "reason": "each rank's batch a step in this many parts, the gradients reduced once"},

@@ -78,7 +78,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                               "comm ms a step": fmt(_median(good, "comm_ms")),
                               "exposed": fmt(share),
                               "peak GiB a rank": fmt(peak / 1024 if peak is not None else None),
-                              "last loss": fmt(_median(good, "loss_last")),
+                              "loss, first step -> last": " -> ".join(fmt(_median(good, m))
+                                                                       for m in ("loss_first", "loss_last")),
                               "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
                 if ws == 1 or layout in ("tp", "fsdp_tp"):  # the goal is DDP's and FSDP2's; TP's in the table
                     continue
@@ -117,7 +118,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "tokens/s a rank at N ranks over one rank's in the same round (the median over rounds, with its range or "
           "interval). comm ms a step: NCCL kernel time in the traced steps (GPU); exposed: the share of the step's "
           "GPU time when only communication ran (no kernel hid it), the rank that waited most. Peak: the fullest "
-          "rank's allocated memory. Medians over rounds.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+          "rank's allocated memory. Loss: the whole batch's, at the job's first step and its last timed one ('-' "
+          "for results from before the first was kept). Medians over rounds.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
     if bus:
         md += ("\nAll-reduce bus bandwidth in the same run (`adaattn.distributed.allreduce`, nccl-tests' convention: "
                "bytes over the slowest rank's time, times 2 (n - 1) / n): the ceiling for the gradients' "

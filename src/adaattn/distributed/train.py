@@ -154,7 +154,7 @@ def main(
             loaded = weights_digest(net)
             for _ in range(done):  # the batches the saved run took: a resumed run goes on where it stopped
                 batch(corpus.train, batch_size, seq_len, g)
-        losses, start = [], None
+        losses, norms, start = [], [], None
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -163,9 +163,11 @@ def main(
                 sync()
                 start = time.perf_counter()
             tokens = batch(corpus.train, batch_size, seq_len, g)[share * per_rank:(share + 1) * per_rank]
-            loss = trainer.train_step(tokens, micro_batches=micro_batches)["loss"]
+            done_step = trainer.train_step(tokens, micro_batches=micro_batches)
+            loss = done_step["loss"]
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # the whole batch's mean: equal shares
             losses.append(loss)
+            norms.append(done_step["grad_norm"])  # the same on every rank: the reduced gradients' norm, before clipping
         sync()
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
@@ -192,7 +194,8 @@ def main(
             run = {"model": model, "layout": layout.model_dump(), "steps": steps, "warmup": warmup,
                    "batch": batch_size, "micro_batches": micro_batches, "seq_len": seq_len, "dtype": dtype,
                    "device": device.type,
-                   "losses": [float(x) for x in losses], "weights": digest, "resumed_at": done,
+                   "losses": [float(x) for x in losses], "grad_norms": [float(x) for x in norms], "weights": digest,
+                   "resumed_at": done,
                    "loaded_weights": loaded, "trace": comm, **stats}
             console.print(f"{model} {layout.model_dump()}: {stats['tokens_per_s']:.0f} tokens/s "
                           f"({stats['tokens_per_s_per_rank']:.0f} a rank), peak {stats['peak_mib_max']:.0f} MiB")
