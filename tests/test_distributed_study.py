@@ -222,6 +222,8 @@ def test_the_8_gpu_projection_is_a_range_from_the_2_gpu_jobs_and_never_a_measure
     # 8 ranks: 1.75x the traffic; 100 / (110 + 0.75 x 20) = 0.80 to 100 / (110 + 0.75 x 5) = 0.879
     assert got[1]["scaling efficiency, projected"] == "0.80-0.88"
     assert got[1]["tokens/s, projected"] == "6.4e+03-7.03e+03"
+    measured = df[(df.target == "h100x2") & (df.provider == "ddp")].assign(world_size=4)
+    assert [r["ranks"] for r in projection(pd.concat([df, measured]), {"cpu"})] == [8]  # 4 was measured
     (section,) = render(df, Path("."))
     assert "Projected, not measured" in section.markdown
     eight = [v for v in section.verdicts if v.claim.startswith("8xH100")]

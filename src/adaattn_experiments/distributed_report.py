@@ -22,7 +22,7 @@ def projection(jobs: pd.DataFrame, cpus: set[str], ranks: tuple[int, ...] = (4, 
     and two-rank jobs: step times t1 and t2, and t2's NCCL time c2 and its exposed part e2 a step (the trace). At n
     ranks a rank's collective traffic is 2 (n - 1) / n = f times two ranks' (ring; the same bus bandwidth), so
     the step is between t2 + (f - 1) e2 (only the exposed part grows) and t2 + (f - 1) c2 (all that is added is
-    exposed); the efficiency is t1 over it."""
+    exposed); the efficiency is t1 over it. A world size the target measured is not projected."""
     rows = []
     for target, frame in jobs.groupby("target", sort=False):
         if target in cpus:  # gloo processes sharing a CPU's cores: nothing to project a GPU's scaling from
@@ -37,6 +37,8 @@ def projection(jobs: pd.DataFrame, cpus: set[str], ranks: tuple[int, ...] = (4, 
                 if None in (t1, per_rank, t2, c2, e2):
                     continue
                 for n in ranks:
+                    if ((runs["provider"] == layout) & (runs["world_size"] == n)).any():
+                        continue  # measured: no projection beside it
                     grow = 2 * (n - 1) / n - 1
                     low, high = t1 / (t2 + grow * c2), t1 / (t2 + grow * e2)
                     rows.append({"target": target, "model": model, "layout": layout, "ranks": n,
