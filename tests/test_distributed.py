@@ -125,7 +125,9 @@ def test_a_tensor_parallel_run_refuses_checkpoints_and_decode_refuses_data_paral
 def test_accumulated_micro_batches_train_as_the_whole_batch_does(params_file, tmp_path):
     """Each rank's share in two parts, the gradients reduced once: the same step as the whole batch at once."""
     one = run(params_file, tmp_path / "one.json", 1)
-    for name, layout in (("accum", {}), ("ddp", {"dp": 2}), ("fsdp", {"fsdp": 2})):
+    # fsdp_kept: each unit gathered once a step, kept through the micro-batches
+    for name, layout in (("accum", {}), ("ddp", {"dp": 2}), ("fsdp", {"fsdp": 2}),
+                         ("fsdp_kept", {"fsdp": 2, "reshard_after_forward": False})):
         nproc = 2 if layout else 1
         parts = run(params_file, tmp_path / f"{name}.json", nproc, extra=("--micro-batches", "2"), **layout)
         assert parts["micro_batches"] == 2

@@ -134,6 +134,28 @@ def test_layouts_and_the_bus_factor():
     assert (bus_factor(1), bus_factor(2), bus_factor(8)) == (0.0, 1.0, 1.75)
 
 
+def test_a_target_of_four_gpus_runs_the_4_gpu_profile():
+    from adaattn.config import load_params
+    from adaattn_experiments.distributed import STUDY, run_profile
+
+    params, raw = load_params(PARAMS)
+    four, two = params.targets["h100x4"], params.targets["h100x2"]
+    assert (run_profile(four, raw["G3-T2"]), run_profile(two, raw["G3-T2"])) == ("gpu4", "gpu")
+    assert STUDY.param_sections(raw, four, "h100x4")["G3-T2"] == raw["G3-T2"]["gpu4"]
+    without = {k: v for k, v in raw["G3-T2"].items() if k != "gpu4"}  # no 4-GPU profile: the target's own
+    assert run_profile(four, without) == "gpu"
+
+
+def test_a_profiles_resharding_reaches_only_the_fsdp_jobs():
+    from adaattn.config import load_params
+    from adaattn_experiments.distributed import job_sets
+
+    run = load_params(PARAMS)[0].g3_t2.cpu.model_copy(update={"reshard_after_forward": False})
+    assert job_sets("fsdp", 2, run)[-1] == "parallel.reshard_after_forward=False"
+    assert job_sets("fsdp_tp", 4, run)[-1] == "parallel.reshard_after_forward=False"
+    assert not any("reshard" in s for s in job_sets("ddp", 2, run) + job_sets("single", 1, run))
+
+
 @pytest.mark.parametrize("update, match", [
     ({"world_sizes": [2]}, "world_sizes must hold 1"),
     ({"layouts": ["ddp", "ddp"]}, "layouts must not repeat"),
@@ -212,7 +234,8 @@ def test_the_8_gpu_projection_is_a_range_from_the_2_gpu_jobs_and_never_a_measure
         for layout, ws, step, comm, exposed in (("single", 1, 100.0, None, None), ("ddp", 2, 110.0, 20.0, 5.0)):
             case = {"case_id": f"distributed/m/x{ws}/r0", "provider": layout, "world_size": ws, "model": "m",
                     "batch": 4 * ws, "mode": "train", "status": "ok", "target": target,
-                    "hardware": "gpu" if target != "cpu" else "cpu", "cuda": "13.0" if target != "cpu" else None}
+                    "hardware": "gpu" if target != "cpu" else "cpu", "cuda": "13.0" if target != "cpu" else None,
+                    "hardware_count": 2 if target != "cpu" else None}
             metrics = {"step_ms": step, "tokens_per_s_per_rank": 1000.0, "tokens_per_s": 1000.0 * ws,
                        "comm_ms": comm, "exposed_comm_ms": exposed}
             rows += [{**case, "metric": k, "value": v} for k, v in metrics.items() if v is not None]
@@ -223,8 +246,12 @@ def test_the_8_gpu_projection_is_a_range_from_the_2_gpu_jobs_and_never_a_measure
     assert got[1]["scaling efficiency, projected"] == "0.80-0.88"
     assert got[1]["tokens/s, projected"] == "6.4e+03-7.03e+03"
     measured = df[(df.target == "h100x2") & (df.provider == "ddp")].assign(world_size=4)
-    assert [r["ranks"] for r in projection(pd.concat([df, measured]), {"cpu"})] == [8]  # 4 was measured
+    got = projection(pd.concat([df, measured]), {"cpu"})  # 4 was measured: beside its projection
+    assert [(r["ranks"], r["scaling efficiency, measured"]) for r in got] == [(4, "1.00"), (8, "-")]
     (section,) = render(df, Path("."))
     assert "Projected, not measured" in section.markdown
+    # a multi-GPU target's verdicts name its GPU count; the guide's fixed rows once per kind of machine
+    assert {v.hardware for v in section.verdicts if v.claim.startswith("DDP")} == {"2x gpu", "cpu"}
+    assert sum(v.claim.startswith("8xH100") for v in section.verdicts) == 2
     eight = [v for v in section.verdicts if v.claim.startswith("8xH100")]
     assert eight and all(v.measured == "-" and v.verdict != "holds" for v in eight)

@@ -689,6 +689,7 @@ class DistributedRun(_Section):
     world_sizes: Annotated[list[PositiveInt], Field(min_length=1)]
     batch_per_rank: PositiveInt
     micro_batches: PositiveInt = 1  # a rank's batch a step in this many parts (gradient accumulation)
+    reshard_after_forward: bool = True  # the FSDP2 jobs' parallel.reshard_after_forward
     seq_len: PositiveInt
     steps: PositiveInt
     warmup: NonNegativeInt = 2
@@ -717,6 +718,7 @@ class DistributedRun(_Section):
 class G3T2Section(ByProfile):
     cpu: DistributedRun
     gpu: DistributedRun
+    gpu4: DistributedRun | None = None  # a GPU target of 4 GPUs or more runs this one, where given (else gpu)
 
 
 ALLOCATOR_SETTINGS = ("default", "split_512", "expandable", "fraction_95")
@@ -972,7 +974,7 @@ class Params(BaseModel):
                     check_decodable(self.models[run.model])
                 except ValueError as err:
                     raise ValueError(f"G3-T3.{profile}.model {run.model!r}: {err}") from None
-        for profile in ("cpu", "gpu"):
+        for profile in ("cpu", "gpu", "gpu4"):
             run = getattr(self.g3_t2, profile) if self.g3_t2 else None
             for name in run.models if run else ():
                 self._check_preset(f"G3-T2.{profile}", name, run.seq_len)

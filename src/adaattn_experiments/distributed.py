@@ -53,6 +53,14 @@ def layout_sets(layout: str, world_size: int) -> list[str]:
     return [f"parallel.{k}={getattr(chosen, k)}" for k in ("world_size", "dp", "fsdp", "tp")]
 
 
+def job_sets(layout: str, world_size: int, run: DistributedRun) -> list[str]:
+    """A study job's overrides: the layout's, and the profile's resharding where FSDP2 shards."""
+    sets = layout_sets(layout, world_size)
+    if layout_of(layout, world_size).fsdp > 1:
+        sets.append(f"parallel.reshard_after_forward={run.reshard_after_forward}")
+    return sets
+
+
 def unrunnable(params: Params, model: str, layout: str, world_size: int) -> str | None:
     """Why this preset cannot run in this layout (``check_layout``'s words), before any job starts; None if it can."""
     try:
@@ -60,6 +68,12 @@ def unrunnable(params: Params, model: str, layout: str, world_size: int) -> str 
     except ConfigError as err:
         return str(err)
     return None
+
+
+def run_profile(target: Target, section: dict) -> str:
+    """The G3-T2 profile a target runs: ``gpu4`` on a GPU target of 4 GPUs or more where the section has one (the
+    4-GPU rows), else the target's own."""
+    return "gpu4" if target.device == "cuda" and target.gpus >= 4 and section.get("gpu4") else target.profile
 
 
 def torchrun(world_size: int, module: str, args: list[str]) -> list[str]:
@@ -80,7 +94,7 @@ class Distributed(StudyDef):
 
     def param_sections(self, raw: dict, target: Target, target_name: str) -> dict[str, Any]:
         sections = target_sections(raw, target_name, ("G3-T2",))
-        run = sections["G3-T2"]
+        run = sections["G3-T2"] = raw["G3-T2"][run_profile(target, raw["G3-T2"])]
         models = [*run["models"], *([run["decode"]["model"]] if run.get("decode") else [])]
         return {**sections, "parallel": raw.get("parallel", {}), **{f"models.{m}": raw["models"][m] for m in models}}
 
@@ -88,7 +102,7 @@ class Distributed(StudyDef):
         return []  # whole torchrun jobs: extra_rows runs them
 
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
-        run: DistributedRun = getattr(params.g3_t2, target.profile)
+        run: DistributedRun = getattr(params.g3_t2, run_profile(target, params.g3_t2.model_dump()))
         held = torch.cuda.device_count() if self.device == "cuda" else None
         if self.device == "cuda":
             torch.cuda.empty_cache()  # the ceilings' blocks: the jobs share GPU 0 with this process's context
@@ -199,7 +213,7 @@ def launch(module: str, args: list[str], ws: int, run: DistributedRun, out: Path
     """A torchrun job of ``module`` at a world size (in ``layout``, given as ``--set`` overrides): the JSON it wrote
     to ``out``, or why there is none."""
     out.unlink(missing_ok=True)  # a failed job must not leave the round before's file to be read
-    sets = layout_sets(layout, ws) if layout is not None else []
+    sets = job_sets(layout, ws, run) if layout is not None else []
     args = [*args, "--out", str(out), *[a for s in sets for a in ("--set", s)]]
     try:
         done = subprocess.run(torchrun(ws, module, args), env=_env(), capture_output=True, text=True,

@@ -22,7 +22,8 @@ def projection(jobs: pd.DataFrame, cpus: set[str], ranks: tuple[int, ...] = (4, 
     and two-rank jobs: step times t1 and t2, and t2's NCCL time c2 and its exposed part e2 a step (the trace). At n
     ranks a rank's collective traffic is 2 (n - 1) / n = f times two ranks' (ring; the same bus bandwidth), so
     the step is between t2 + (f - 1) e2 (only the exposed part grows) and t2 + (f - 1) c2 (all that is added is
-    exposed); the efficiency is t1 over it. A world size the target measured is not projected."""
+    exposed); the efficiency is t1 over it. Where the target measured that world size too, its measured efficiency
+    stands beside the projection: how far the model holds."""
     rows = []
     for target, frame in jobs.groupby("target", sort=False):
         if target in cpus:  # gloo processes sharing a CPU's cores: nothing to project a GPU's scaling from
@@ -37,14 +38,15 @@ def projection(jobs: pd.DataFrame, cpus: set[str], ranks: tuple[int, ...] = (4, 
                 if None in (t1, per_rank, t2, c2, e2):
                     continue
                 for n in ranks:
-                    if ((runs["provider"] == layout) & (runs["world_size"] == n)).any():
-                        continue  # measured: no projection beside it
+                    got = _median(runs[(runs["provider"] == layout) & (runs["world_size"] == n)],
+                                  "tokens_per_s_per_rank")
                     grow = 2 * (n - 1) / n - 1
                     low, high = t1 / (t2 + grow * c2), t1 / (t2 + grow * e2)
                     rows.append({"target": target, "model": model, "layout": layout, "ranks": n,
                                  "from": f"t1 {fmt(t1)} ms, t2 {fmt(t2)} ms, comm {fmt(c2)} ms ({fmt(e2)} exposed)",
                                  "scaling efficiency, projected": f"{low:.2f}-{high:.2f}",
-                                 "tokens/s, projected": f"{fmt(n * per_rank * low)}-{fmt(n * per_rank * high)}"})
+                                 "tokens/s, projected": f"{fmt(n * per_rank * low)}-{fmt(n * per_rank * high)}",
+                                 "scaling efficiency, measured": "-" if got is None else f"{got / per_rank:.2f}"})
     return rows
 
 
@@ -55,9 +57,12 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     cpus = cpu_targets(df)
     goal = knobs().scaling_efficiency
     table, verdicts, bus = [], [], []
+    guide_hw = set()  # the guide's fixed rows once per kind of machine, not once per target
     for target, frame in jobs.groupby("target", sort=False):
-        hw = frame["hardware"].iloc[0]
+        count = frame["hardware_count"].max() if "hardware_count" in frame else None
         cpu = target in cpus
+        hw = frame["hardware"].iloc[0]
+        hw = f"{int(count)}x {hw}" if not cpu and pd.notna(count) and count > 1 else hw
         for model, runs in frame.groupby("model", sort=False):
             ok = runs[runs["status"] == "ok"]
             single = ok[(ok["provider"] == SINGLE) & (ok["metric"] == "tokens_per_s")].set_index("round")["value"]
@@ -94,14 +99,17 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                                         "gloo processes sharing a CPU's cores: not the GPUs' scaling" if cpu else
                                         "tokens/s a rank at this world size over one rank's in the same round, the "
                                         "batch a rank fixed"))
+        if frame["hardware"].iloc[0] in guide_hw:
+            continue
+        guide_hw.add(frame["hardware"].iloc[0])
         for row, fig in guide_figures()["G3-T2"]["figures"].items():
             tokens = float(fig["tokens_per_s"])  # YAML 1.1 reads 180.0e3 as text
             claim = f"{row}: {tokens / 1e3:g}K tokens/s, {fig['memory_gb']:g} GB at batch {fig['batch']}, sequence 2048"
             if "A100" in row:
                 verdict, why = "not measurable here", "no A100 here"
             elif row.startswith("8x"):
-                verdict, why = "not measured yet", ("the 8-GPU rows are the 8-GPU issue's (50); the table below "
-                                                    "projects 4 and 8 GPUs from the 2-GPU jobs: not a measurement")
+                verdict, why = "not measured yet", ("no 8-GPU machine is lent here (issue 50); the projection "
+                                                    "below is from the 2-GPU jobs: not a measurement")
             else:
                 verdict, why = ("not measured yet", "the guide's row is its LTM model at batch 32; this study trains "
                                 "the presets named above at a fixed batch a rank, and reads them against each other")
@@ -128,7 +136,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                "traffic.\n\n" + md_table(pd.DataFrame(bus)) + "\n")
     projected = projection(jobs, cpus)
     if projected:
-        md += ("\nProjected, not measured: DDP and FSDP2 at 4 and 8 GPUs from the 1- and 2-GPU jobs above. Each rank "
+        md += ("\nProjected, not measured: DDP and FSDP2 at 4 and 8 GPUs from the 1- and 2-GPU jobs above (beside "
+               "it, the efficiency a 4-GPU target measured: how far the model holds). Each rank "
                "computes the same a step at any world size (weak scaling); its ring collectives' traffic grows as "
                "2 (n - 1) / n, 1.5x at 4 ranks and 1.75x at 8 over 2's, at the bus bandwidth measured at 2 ranks "
                "(one host's NVLink). The low end counts all the added communication time as exposed (comm ms a step "

@@ -288,12 +288,17 @@ def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | d
 @contextlib.contextmanager
 def _gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
     """Within it, a backward reduces the gradients across ranks only if ``sync`` (DDP's ``no_sync``, FSDP2's
-    ``set_requires_gradient_sync``): an accumulated step reduces once, after its last micro-batch."""
+    ``set_requires_gradient_sync``): an accumulated step reduces once, after its last micro-batch. Under FSDP2
+    with ``reshard_after_forward=False``, a step then gathers each unit's parameters once, as DDP's one
+    all-reduce, with ZeRO-2's memory."""
     if isinstance(model, DistributedDataParallel) and not sync:
         with model.no_sync():
             yield
     elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2's FSDPModule
         model.set_requires_gradient_sync(sync)
+        # each unit's gathered parameters kept until the last backward: the next micro-batch's forward gathers
+        # nothing (one unsharded copy held through the step, fewer all-gathers: the trade FSDP2's docs name)
+        model.set_reshard_after_backward(sync)
         yield
     else:
         yield
