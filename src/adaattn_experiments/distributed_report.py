@@ -129,7 +129,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
           "interval). comm ms a step: NCCL kernel time in the traced steps (GPU); exposed: the share of the step's "
           "GPU time when only communication ran (no kernel hid it), the rank that waited most. Peak: the fullest "
           "rank's allocated memory. Loss: the whole batch's, at the job's first step and its last timed one ('-' "
-          "for results from before the first was kept). Medians over rounds.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+          "for results from before the first was kept): a few steps from random weights at a constant learning "
+          "rate swing, so it says a job ran, not how well it trains. Medians over rounds.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
     if bus:
         md += ("\nAll-reduce bus bandwidth in the same run (`adaattn.distributed.allreduce`, nccl-tests' convention: "
                "bytes over the slowest rank's time, times 2 (n - 1) / n): the ceiling for the gradients' "
