@@ -209,17 +209,23 @@ def clip_grad_norm(params: list[Tensor], max_norm: float) -> Tensor:
     parallelism's sharded projections beside its whole norms and embeddings; under FSDP2 too, 1-D and 2-D
     shards), which one norm over them all refuses: each kind's norm apart, the whole norm from them, every
     gradient scaled by it. The whole norm, as a plain tensor."""
-    kinds: dict[object, list[Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            kinds.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    kinds = _by_mesh([p for p in params if p.grad is not None], lambda p: p.grad)
     if len(kinds) < 2:
         return _full(torch.nn.utils.clip_grad_norm_(params, max_norm))
     total = torch.linalg.vector_norm(torch.stack([_full(torch.nn.utils.get_total_norm([p.grad for p in k]))
-                                                  for k in kinds.values()]))
-    for k in kinds.values():
+                                                  for k in kinds]))
+    for k in kinds:
         torch.nn.utils.clip_grads_with_norm_(k, max_norm, total)
     return total
+
+
+def _by_mesh(params: list[Tensor], of: Callable[[Tensor], Tensor] = lambda p: p) -> list[list[Tensor]]:
+    """``params`` split by the mesh ``of(p)`` lives on (None: a plain tensor), in first-seen order."""
+    kinds: dict[object, list[Tensor]] = {}
+    for p in params:
+        t = of(p)
+        kinds.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(p)
+    return list(kinds.values())
 
 
 def _cross_entropy_fp32(logits: Tensor, targets: Tensor) -> Tensor:
@@ -239,13 +245,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
     # a fused or foreach step refuses DTensors of different meshes, or beside plain tensors, in one list (tensor
     # parallelism has plain norms beside its shards; under FSDP2 too, 1-D shards beside 2-D ones)
-    out = []
-    for g in groups:
-        kinds: dict[object, list[Tensor]] = {}
-        for p in g["params"]:
-            kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-        out += [{**g, "params": part} for part in kinds.values()] or [g]
-    return out
+    return [part for g in groups for part in ([{**g, "params": k} for k in _by_mesh(g["params"])] or [g])]
 
 
 def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | dict, lr: float = 3e-4,
