@@ -50,9 +50,9 @@ class Clock:
 
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
-    """A ``Clock`` that the side-by-side rounds (``adaattn.bench.rounds``, which the kernel manager and the
+    """A ``Clock`` that the side-by-side rounds (``adaattn.timing.rounds``, which the kernel manager and the
     studies share) read instead of the host's."""
-    import adaattn.bench.rounds as rounds
+    import adaattn.timing.rounds as rounds
 
     c = Clock()
     monkeypatch.setattr(rounds, "time", c)

@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 import torch
 
-from adaattn.config import AllocatorRun, ConfigError, load_raw, validate
+from adaattn_experiments.allocator.schema import AllocatorRun
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 RUN = {"model": "llama_1b", "seq_lens": [512, 1024], "tokens": 2048, "steps": 4, "probe_seq_len": 1024,
@@ -25,7 +26,7 @@ RUN = {"model": "llama_1b", "seq_lens": [512, 1024], "tokens": 2048, "steps": 4,
                                                   (37, (37, False)), (63, (63, False)), (64, (64, True)),
                                                   (500, (64, True))])
 def test_the_probe_finds_the_largest_batch_that_fits(monkeypatch, fits_up_to, expected):
-    from adaattn_experiments.allocator import probe
+    from adaattn_experiments.allocator.study import probe
 
     tried = []
 
@@ -41,7 +42,7 @@ def test_the_probe_finds_the_largest_batch_that_fits(monkeypatch, fits_up_to, ex
 
 
 def test_each_setting_runs_in_its_own_process_with_its_environment(monkeypatch):
-    from adaattn_experiments import allocator
+    from adaattn_experiments.allocator import study as allocator
 
     calls = []
 
@@ -68,7 +69,7 @@ def test_each_setting_runs_in_its_own_process_with_its_environment(monkeypatch):
 
 
 def test_a_cpu_target_says_why_it_has_no_rows():
-    from adaattn_experiments.allocator import Allocator
+    from adaattn_experiments.allocator.study import Allocator
 
     raw = copy.deepcopy(load_raw(PARAMS))
     raw["allocator"]["cpu"] = RUN
@@ -92,7 +93,7 @@ def _rows(batches: dict[str, float], limit: bool = False) -> pd.DataFrame:
 
 
 def test_the_report_judges_each_claimed_setting_against_the_default(tmp_path):
-    from adaattn_experiments.allocator_report import render
+    from adaattn_experiments.allocator.report import render
 
     (section,) = render(_rows({"default": 12, "split_512": 12, "expandable": 13, "fraction_95": 11}), tmp_path)
     verdicts = {v.claim: v for v in section.verdicts}

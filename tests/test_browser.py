@@ -29,8 +29,10 @@ def test_mlflow_ui_lists_study_runs(repo, tmp_path):
     from mlflow import MlflowClient
     from playwright.sync_api import sync_playwright
 
-    from adaattn.tracking.mlflow_log import sync
-    from adaattn_experiments import STUDIES
+    from adaattn_pipeline.registry import studies
+    from adaattn_pipeline.tracking.mlflow_log import sync
+
+    STUDIES = studies()
 
     store = tmp_path / "mlflow.db"
     port = _free_port()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from adaattn.config import ConfigError, load_raw, validate
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
@@ -26,8 +26,8 @@ def _params(update=None):
 
 
 def test_each_length_is_timed_side_by_side_and_judged_on_a_gpu_only(tmp_path):
-    from adaattn_experiments.ccgqa import STUDY, sdpa_twin
-    from adaattn_experiments.ccgqa_report import render
+    from adaattn_experiments.ccgqa.study import STUDY, sdpa_twin
+    from adaattn_experiments.ccgqa.report import render
 
     params = _params()
     cfg = params.models["hydra_small"]
@@ -69,8 +69,8 @@ def test_bad_sweeps_name_the_key(update, message):
 def test_each_compile_mode_is_a_pair_of_its_own_and_the_goal_reads_the_last(monkeypatch, tmp_path):
     import torch
 
-    from adaattn_experiments.ccgqa import STUDY
-    from adaattn_experiments.ccgqa_report import render
+    from adaattn_experiments.ccgqa.study import STUDY
+    from adaattn_experiments.ccgqa.report import render
 
     compile_ = torch.compile
     modes = []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from adaattn.config import ConfigError, load_raw, validate
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 TOY = {"models": ["hydra_small"], "batch": 2, "seq_len": 32,
@@ -27,8 +27,8 @@ def _params(update=None):
 
 
 def test_every_granularity_is_measured_and_the_report_judges_by_size(tmp_path):
-    from adaattn_experiments.checkpointing import STUDY
-    from adaattn_experiments.checkpointing_report import render
+    from adaattn_experiments.checkpointing.study import STUDY
+    from adaattn_experiments.checkpointing.report import render
 
     params = _params()
     study = STUDY.bind("cpu")

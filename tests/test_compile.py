@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import adaattn.attention.kernel_manager as km_mod
-import adaattn.bench.rounds as rounds_mod
+import adaattn.timing.rounds as rounds_mod
 from adaattn.attention.ada import AdaAttention
 from adaattn.attention.backends import BACKENDS, FORCED, traced_name
 from adaattn.attention.kernel_manager import DEFAULT, AttentionKernelManager

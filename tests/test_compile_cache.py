@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-from adaattn.bench import compile_cache
-from adaattn.bench.compile_cache import FreshCompiles, segments, warm_calls, warm_compile_cache
-from adaattn.bench.harness import Case, Workload
+from adaattn_pipeline.bench import compile_cache
+from adaattn_pipeline.bench.compile_cache import FreshCompiles, segments, warm_calls, warm_compile_cache
+from adaattn_pipeline.bench.harness import Case, Workload
 
 
 class _WarmStudy:
@@ -87,7 +87,7 @@ def test_measuring_process_hits_every_graph_the_workers_compiled(tmp_path, monke
     """The point of segments and fresh dynamo: after the workers, the measuring process, which
     makes all first calls in one process, compiles nothing itself (FlexAttention on CPU, with a
     size-1 batch and two masks, so the segments are cut by batch and by mask)."""
-    from adaattn_experiments.attention_backends import AttentionBackends
+    from adaattn_experiments.attention_backends.study import AttentionBackends
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the workers inherit it
     study = AttentionBackends("cpu")

@@ -5,8 +5,9 @@ import copy
 import pytest
 import yaml
 
-from adaattn.bench.runner import check_hardware, check_study_target, resolve_target
-from adaattn.config import ConfigError, load_params, params_hash, parse_override, set_override, validate
+from adaattn_pipeline.bench.runner import check_hardware, check_study_target, resolve_target
+from adaattn.params import parse_override, set_override
+from adaattn_pipeline.config import ConfigError, load_params, params_hash, validate
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def test_wrong_type_names_key(raw):
 
 def test_the_verdict_knobs_are_parameters_checked_by_name(raw):
     """The reports judge by params.yaml's verdicts section (docs/methods.md, Verdicts); a bad value names its key."""
-    from adaattn.report.common import knobs, use_knobs
+    from adaattn_pipeline.report.common import knobs, use_knobs
 
     assert validate(raw).verdicts.goal_overhead == raw["verdicts"]["goal_overhead"]
     raw["verdicts"]["goal_overhead"] = 0.97
@@ -159,7 +160,7 @@ def test_config_checks_names_without_importing_what_runs_them():
     import subprocess
     import sys
 
-    code = "import sys, adaattn.config; print(sorted(m for m in sys.modules if m.startswith('adaattn.attention')))"
+    code = "import sys, adaattn_pipeline.config; print(sorted(m for m in sys.modules if m.startswith('adaattn.attention')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     from adaattn.attention.backends import BACKENDS

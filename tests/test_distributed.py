@@ -13,8 +13,9 @@ import pytest
 import torch
 import yaml
 
-from adaattn.config import ConfigError, Layout, load_raw, validate
-from adaattn.distributed import MULTICAST_OFF, check_layout, multicast_off
+from adaattn.distributed.layout import Layout
+from adaattn_pipeline.config import ConfigError, load_raw, validate
+from adaattn.distributed.parallel import MULTICAST_OFF, check_layout, multicast_off
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 

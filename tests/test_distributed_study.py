@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from adaattn.config import ConfigError, load_raw, validate
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
@@ -28,8 +28,8 @@ def _params(update=None):
 
 
 def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
-    from adaattn_experiments.distributed import STUDY
-    from adaattn_experiments.distributed_report import render
+    from adaattn_experiments.distributed.study import STUDY
+    from adaattn_experiments.distributed.report import render
 
     decode = {"model": "dense_small", "batches": [1], "prompt_len": 8, "new_tokens": 4, "rounds": 1,
               "allreduce": ["nccl", "one_shot"]}
@@ -80,7 +80,7 @@ def test_torchrun_jobs_give_their_rows_and_the_report_reads_the_scaling():
 
 def test_the_efficiency_is_read_round_by_round():
     """Each round's two-rank job against the same round's one-rank job: a slow round of the machine slows both."""
-    from adaattn_experiments.distributed_report import render
+    from adaattn_experiments.distributed.report import render
 
     rows = []
     for rnd, (one, two) in enumerate([(100.0, 96.0), (50.0, 48.5)]):  # 0.96 and 0.97; pooled medians: 73/75 = 0.97
@@ -108,7 +108,7 @@ def test_exposed_communication_is_collective_time_no_other_kernel_hid():
 def test_a_world_size_the_machine_lacks_is_a_row_that_says_so(monkeypatch):
     import torch
 
-    from adaattn_experiments import distributed
+    from adaattn_experiments.distributed import study as distributed
 
     params = _params({"world_sizes": [1, 2]})
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -124,7 +124,7 @@ def test_a_world_size_the_machine_lacks_is_a_row_that_says_so(monkeypatch):
 
 def test_layouts_and_the_bus_factor():
     from adaattn.distributed.allreduce import bus_factor
-    from adaattn_experiments.distributed import layout_sets
+    from adaattn_experiments.distributed.study import layout_sets
 
     assert layout_sets("ddp", 2) == ["parallel.world_size=2", "parallel.dp=2", "parallel.fsdp=1", "parallel.tp=1"]
     assert layout_sets("fsdp", 4)[1:3] == ["parallel.dp=1", "parallel.fsdp=4"]
@@ -135,20 +135,20 @@ def test_layouts_and_the_bus_factor():
 
 
 def test_a_target_of_four_gpus_runs_the_4_gpu_profile():
-    from adaattn.config import load_params
-    from adaattn_experiments.distributed import STUDY, run_profile
+    from adaattn_pipeline.config import load_params
+    from adaattn_experiments.distributed.study import STUDY, run_profile
 
     params, raw = load_params(PARAMS)
     four, two = params.targets["h100x4"], params.targets["h100x2"]
     assert (run_profile(four, raw["G3-T2"]), run_profile(two, raw["G3-T2"])) == ("gpu4", "gpu")
-    assert STUDY.param_sections(raw, four, "h100x4")["G3-T2"] == raw["G3-T2"]["gpu4"]
+    assert "G3-T2.gpu4" in STUDY.param_keys(raw, "h100x4") and "G3-T2.gpu" in STUDY.param_keys(raw, "h100x2")
     without = {k: v for k, v in raw["G3-T2"].items() if k != "gpu4"}  # no 4-GPU profile: the target's own
     assert run_profile(four, without) == "gpu"
 
 
 def test_a_profiles_resharding_reaches_only_the_fsdp_jobs():
-    from adaattn.config import load_params
-    from adaattn_experiments.distributed import job_sets
+    from adaattn_pipeline.config import load_params
+    from adaattn_experiments.distributed.study import job_sets
 
     run = load_params(PARAMS)[0].g3_t2.cpu.model_copy(update={"reshard_after_forward": False})
     assert job_sets("fsdp", 2, run)[-1] == "parallel.reshard_after_forward=False"
@@ -173,7 +173,7 @@ def test_bad_sections_name_their_key(update, match):
 
 
 def test_a_layout_a_preset_cannot_run_is_a_row_that_says_so(monkeypatch):
-    from adaattn_experiments import distributed
+    from adaattn_experiments.distributed import study as distributed
 
     params = _params({"models": ["hydra_small"], "layouts": ["tp"], "seq_len": 16})
     ran = []
@@ -189,7 +189,7 @@ def test_a_layout_a_preset_cannot_run_is_a_row_that_says_so(monkeypatch):
 def test_later_rounds_run_only_while_the_budget_lasts(monkeypatch):
     """Round 1 (with the traces), then the all-reduce, then round 2's jobs while each one's round-1 time still fits
     budget_s; the rest rows that say why not."""
-    from adaattn_experiments import distributed
+    from adaattn_experiments.distributed import study as distributed
 
     params = _params({"layouts": ["ddp", "fsdp"], "repeats": 2, "budget_s": 45, "trace_steps": 1})
     clock, ran = [0.0], []
@@ -212,7 +212,7 @@ def test_later_rounds_run_only_while_the_budget_lasts(monkeypatch):
 
 def test_fsdp_over_tp_pairs_needs_four_ranks(monkeypatch):
     """At two ranks FSDP2 x TP would be TP alone: a row that says so, no job; at four, a job of a 2 x 2 mesh."""
-    from adaattn_experiments import distributed
+    from adaattn_experiments.distributed import study as distributed
 
     params = _params({"layouts": ["fsdp_tp"], "world_sizes": [1, 2, 4]})
     ran = []
@@ -227,7 +227,7 @@ def test_fsdp_over_tp_pairs_needs_four_ranks(monkeypatch):
 
 
 def test_the_8_gpu_projection_is_a_range_from_the_2_gpu_jobs_and_never_a_measurement():
-    from adaattn_experiments.distributed_report import projection, render
+    from adaattn_experiments.distributed.report import projection, render
 
     rows = []
     for target in ("h100x2", "cpu"):

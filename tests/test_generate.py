@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaattn.models import ModelConfig, Transformer
+from adaattn.models.config import ModelConfig
+from adaattn.models.transformer import Transformer
 from adaattn.models.generate import clear_kv_cache, decode_one, generate, setup_kv_cache
 
 # PyTorch's MLP and norm keep the tests fast (the zoo's kernels run interpreted under TRITON_INTERPRET)

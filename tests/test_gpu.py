@@ -7,8 +7,8 @@ import torch
 
 from adaattn.attention.providers import PROVIDERS, AttentionCase
 from adaattn.attention.reference import attention_ref
-from adaattn.bench.memory import kernels_ran, peak_memory_bytes
-from adaattn.bench.timing import CudaTimer
+from adaattn.timing.memory import kernels_ran, peak_memory_bytes
+from adaattn.timing.timers import CudaTimer
 from adaattn.errors import Unsupported
 
 pytestmark = pytest.mark.gpu
@@ -67,7 +67,7 @@ def test_cuda_timer_and_memory():
 
 def test_kernel_time_is_the_device_share_of_a_call():
     """Kernel time of a GPU-bound call matches its event time; of a host-bound call it is far below."""
-    from adaattn.bench.timing import kernel_time_ms
+    from adaattn.timing.timers import kernel_time_ms
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     events = CudaTimer(warmup_ms=5, rep_ms=20)(lambda: a @ a)
@@ -86,7 +86,7 @@ def test_kernel_time_is_the_device_share_of_a_call():
 def test_kernel_times_round_robin_keeps_each_functions_samples():
     """Calls interleaved in one trace come back per function: a large GEMM's samples all exceed a
     small one's, whichever is listed first."""
-    from adaattn.bench.timing import kernel_times_ms
+    from adaattn.timing.timers import kernel_times_ms
 
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from adaattn.attention.providers import AttentionCase
-from adaattn.bench import results as results_mod
-from adaattn.bench.accuracy import accuracy
-from adaattn.bench.harness import Case, Harness, Workload, classify_error
+from adaattn_pipeline.bench import results as results_mod
+from adaattn_pipeline.bench.accuracy import accuracy
+from adaattn_pipeline.bench.harness import Case, Harness, Workload, classify_error
 from adaattn.errors import Unsupported
-from adaattn.bench import trace as trace_mod
-from adaattn.bench.memory import peak_memory_bytes
-from adaattn.bench.roofline import Ceilings, gbps, mode_flops, tflops
-from adaattn.bench.timing import CpuTimer, KernelTrace, UncutTrace, quantiles
+from adaattn.timing import trace as trace_mod
+from adaattn.timing.memory import peak_memory_bytes
+from adaattn_pipeline.bench.roofline import Ceilings, gbps, mode_flops, tflops
+from adaattn.timing.timers import CpuTimer, KernelTrace, UncutTrace, quantiles
 
 
 def test_attention_flops_formula():
@@ -166,7 +166,7 @@ def test_write_results_is_atomic(tmp_path, monkeypatch):
 
 
 def test_per_call_kernel_ms_cuts_a_trace_at_the_flush_kernels():
-    from adaattn.bench.timing import FLUSH_MARK, per_call_kernel_ms
+    from adaattn.timing.timers import FLUSH_MARK, per_call_kernel_ms
 
     flush = f"vectorized_elementwise_kernel<{FLUSH_MARK}_kernel_cuda>"
     trace = [("edge", 0, 5_000), (flush, 10, 90_000), ("k1", 20, 2_000), ("Memset", 25, 500),
@@ -185,8 +185,8 @@ def test_a_trace_that_cannot_be_cut_is_taken_again_and_says_so(monkeypatch):
     import contextlib
     from types import SimpleNamespace
 
-    import adaattn.bench.timing as timing
-    from adaattn.bench.timing import TRACE_EDGE, UncutTrace, kernel_times_ms
+    import adaattn.timing.timers as timing
+    from adaattn.timing.timers import TRACE_EDGE, UncutTrace, kernel_times_ms
 
     launched: list[str] = []  # the "kernels" of the session under way, in launch order
     traces: list[list[str]] = []
@@ -238,7 +238,7 @@ def test_a_trace_that_cannot_be_cut_is_taken_again_and_says_so(monkeypatch):
 
 
 def test_round_robin_order_and_split():
-    from adaattn.bench.timing import round_robin, split_round_robin
+    from adaattn.timing.timers import round_robin, split_round_robin
 
     assert round_robin(3, 2) == [0, 1, 2, 0, 1, 2]
     order = round_robin(3, 4)
@@ -278,8 +278,8 @@ class _SizedStudy:
 def _cuda_harness_on_cpu(monkeypatch, timer, total_bytes):
     """A Harness for device "cuda" whose device-only parts (profiled call, memory, kernel trace) are
     stand-ins, so its kernel-time bookkeeping runs on a CPU machine."""
-    import adaattn.bench.harness as harness_mod
-    from adaattn.bench.memory import Profiled
+    import adaattn_pipeline.bench.harness as harness_mod
+    from adaattn.timing.memory import Profiled
 
     monkeypatch.setattr(harness_mod, "profiled_call", lambda fn, device: Profiled(int(fn().numel()), "k"))
     monkeypatch.setattr(Harness, "_device_memory", lambda self: (0, total_bytes))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaattn.models import ModelConfig, Transformer
+from adaattn.models.config import ModelConfig
+from adaattn.models.transformer import Transformer
 from adaattn.models.card import applications, counted_flops_per_token, flops_per_token, param_counts
 
 # PyTorch's MLP and norm keep the tests fast (the zoo's kernels run interpreted under TRITON_INTERPRET)

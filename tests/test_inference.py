@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from adaattn.config import ConfigError, load_raw, validate
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
@@ -29,10 +29,10 @@ def _params(update=None):
 
 
 def test_the_bytes_a_decode_step_reads():
-    from adaattn.models import build_model
+    from adaattn.models.transformer import build_model
     from adaattn.models.generate import setup_kv_cache
     from adaattn.models.quant import quantize_int8_weight_only
-    from adaattn_experiments.inference import cache_bytes, weight_bytes
+    from adaattn_experiments.inference.study import cache_bytes, weight_bytes
 
     params = _params()
     for tie in (True, False):
@@ -53,8 +53,8 @@ def test_the_bytes_a_decode_step_reads():
 
 
 def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path):
-    from adaattn_experiments.inference import STUDY
-    from adaattn_experiments.inference_report import render
+    from adaattn_experiments.inference.study import STUDY
+    from adaattn_experiments.inference.report import render
 
     compile_ = torch.compile
     modes = []
@@ -93,7 +93,7 @@ def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path)
 
 
 def test_the_torchao_peer_that_cannot_run_is_a_row_that_says_why(monkeypatch):
-    from adaattn_experiments import inference
+    from adaattn_experiments.inference import study as inference
 
     monkeypatch.setattr(inference, "torchao_missing", lambda: "torchao.quantization not importable: test")
     params = _params({"batches": [1], "configs": ["flash", "compiled_torchao_int8"]})
@@ -105,7 +105,7 @@ def test_the_torchao_peer_that_cannot_run_is_a_row_that_says_why(monkeypatch):
 
 
 def test_a_wrapper_subclass_counts_its_inner_tensors():
-    from adaattn_experiments.inference import nbytes
+    from adaattn_experiments.inference.study import nbytes
 
     class Packed(torch.Tensor):  # int8 data and a scale a row, shown as the bf16 matrix they stand for
         @staticmethod
@@ -141,7 +141,7 @@ def test_bad_sweeps_name_the_key(update, message):
 def test_each_compiled_call_starts_a_cuda_graph_step(monkeypatch):
     # several compiled decoders called in shuffled rounds: without a step mark per call, CUDA-graph trees
     # record a new graph for each order of calls they meet (minutes on the H100)
-    from adaattn_experiments import inference
+    from adaattn_experiments.inference import study as inference
 
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import adaattn.attention.kernel_manager as km_mod
-import adaattn.bench.rounds as rounds_mod
+import adaattn.timing.rounds as rounds_mod
 from adaattn.attention.backends import BACKENDS, SDP_FLAGS, Signature
 from adaattn.attention.kernel_manager import DEFAULT, IN_THE_RUNNING, AttentionKernelManager
 from adaattn.attention.ranking_cache import METHOD
-from test_ada_attention import _qkv, _sdpa_ref
+from test_ada_rank import _qkv, _sdpa_ref
 
 
 def test_every_cpu_backend_is_correct_where_it_claims_to_run():
@@ -238,7 +238,7 @@ def test_gpu_turns_time_the_gpu_work_not_the_host():
     import statistics
     import time
 
-    from adaattn.bench.rounds import graphed, interleaved_samples_ms
+    from adaattn.timing.rounds import graphed, interleaved_samples_ms
 
     cycles = 4_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -3,10 +3,10 @@
 import pandas as pd
 import pytest
 
-from adaattn.bench.harness import Harness
-from adaattn.bench.roofline import Ceilings
-from adaattn.bench.timing import CpuTimer
-from adaattn_experiments.kernels import STUDY, Kernels
+from adaattn_pipeline.bench.harness import Harness
+from adaattn_pipeline.bench.roofline import Ceilings
+from adaattn.timing.timers import CpuTimer
+from adaattn_experiments.kernels.study import STUDY, Kernels
 
 
 class _Section:  # the fields of a G4-T1 section that Kernels._case reads
@@ -37,7 +37,7 @@ def test_reference_covers_the_first_tokens(kernel, monkeypatch):
     is cut to match (the largest sweep points ran out of memory in a full float64 copy)."""
     import torch
 
-    from adaattn_experiments import kernels as K
+    from adaattn_experiments.kernels import study as K
 
     study = STUDY.bind("cpu")
     case = Kernels._case("G4-T1", kernel, 1, 48, 128, "fp32", _Section(("eager",), ("fwd",)))
@@ -55,7 +55,7 @@ def test_reference_covers_the_first_tokens(kernel, monkeypatch):
 def test_compile_groups_are_segments_of_one_hidden_size():
     from pathlib import Path
 
-    from adaattn.config import load_params
+    from adaattn_pipeline.config import load_params
 
     params, _ = load_params(Path(__file__).parents[1] / "params.yaml")
     study = Kernels("cuda")
@@ -97,8 +97,8 @@ def test_ours_inplace_is_rope_forward_only_and_rotates_its_inputs():
 
 def test_goal_rows_for_each_of_our_providers():
     """The speed goal gets one row per provider of ours that ran: ours everywhere, ours_inplace on RoPE."""
-    from adaattn.report.common import knobs
-    from adaattn_experiments.kernels_report import _goal_row
+    from adaattn_pipeline.report.common import knobs
+    from adaattn_experiments.kernels.report import _goal_row
 
     GOAL_RATIO = knobs().kernel_peer_ratio
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from adaattn.kernels import reference as R
-from adaattn.layers import (GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP, compute_memory_footprint,
-                            flexible_attention, get_attention_backend, set_attention_backend)
+from adaattn.attention.flexible import flexible_attention, get_attention_backend, set_attention_backend
+from adaattn.layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP, compute_memory_footprint
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -87,7 +87,7 @@ def test_flexible_attention_matches_float64(backend, causal, heads):
 
 def test_math_backend_expands_kv_as_a_view():
     k = torch.randn(1, 2, 8, 4)
-    from adaattn.layers.attention import _expand_kv
+    from adaattn.attention.flexible import _expand_kv
 
     e = _expand_kv(k, 3)
     assert e.shape == (1, 6, 8, 4) and torch.equal(e[:, 1], k[:, 0]) and torch.equal(e[:, 3], k[:, 1])

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from adaattn.models import ModelConfig, Transformer
+from adaattn.models.config import ModelConfig
+from adaattn.models.transformer import Transformer
 from adaattn.models.ltm import Compressor, write
 
 # PyTorch's MLP and norm keep the tests fast (the zoo's kernels run interpreted under TRITON_INTERPRET)

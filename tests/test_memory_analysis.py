@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from adaattn.config import ConfigError, load_raw, validate
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
@@ -32,7 +32,7 @@ def _params(update=None):
 
 
 def test_a_swept_width_keeps_the_head_dim_and_the_group():
-    from adaattn_experiments.memory_analysis import variant
+    from adaattn_experiments.memory_analysis.study import variant
 
     cfg = _params().models["ltm_small"]
     wide = variant(cfg, "dim", 64)
@@ -41,8 +41,8 @@ def test_a_swept_width_keeps_the_head_dim_and_the_group():
 
 
 def test_each_component_is_measured_over_its_variables_and_judged(tmp_path):
-    from adaattn_experiments.memory_analysis import EXPONENTS, STUDY
-    from adaattn_experiments.memory_analysis_report import exponent, render
+    from adaattn_experiments.memory_analysis.study import EXPONENTS, STUDY
+    from adaattn_experiments.memory_analysis.report import exponent, render
 
     params = _params()
     rows = STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])

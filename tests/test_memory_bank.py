@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from adaattn.config import ConfigError, load_raw, validate
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
@@ -36,7 +36,7 @@ def _raw(update=None, presets=None):
 
 
 def test_a_passkey_sits_its_distance_before_the_query():
-    from adaattn_experiments.memory_bank import DIGITS, KEY, passkey_sequence
+    from adaattn_experiments.memory_bank.study import DIGITS, KEY, passkey_sequence
 
     val = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 20), dtype=torch.uint8)
     for distance in (32, 33, 100):
@@ -69,8 +69,8 @@ def test_bad_configs_are_named(update, presets, message):
 
 
 def test_memory_by_context_and_the_trained_models_quality(tmp_path):
-    from adaattn_experiments.memory_bank import STUDY
-    from adaattn_experiments.memory_bank_report import memory_table, render
+    from adaattn_experiments.memory_bank.study import STUDY
+    from adaattn_experiments.memory_bank.report import memory_table, render
 
     params = validate(_raw())
     rows = STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
@@ -107,7 +107,7 @@ def test_memory_by_context_and_the_trained_models_quality(tmp_path):
     for claim, verdict in verdicts.items():
         if "parallelism" not in claim:
             assert verdict == "by construction", claim
-    from adaattn_experiments.memory_bank_report import COMPONENTS
+    from adaattn_experiments.memory_bank.report import COMPONENTS
     root = Path(__file__).parents[1]
     for _, _, tests, _ in COMPONENTS:  # the tests named exist
         for test in tests.split(", "):
@@ -119,7 +119,7 @@ def test_memory_by_context_and_the_trained_models_quality(tmp_path):
 
 def test_the_goal_is_judged_at_32k_on_a_gpu(tmp_path):
     """The report alone, on rows as a GPU run writes them: the guide's contexts judged, the goal at 32K."""
-    from adaattn_experiments.memory_bank_report import render
+    from adaattn_experiments.memory_bank.report import render
 
     def row(context, provider, metric, value, status="ok"):
         return {"target": "h100", "hardware": "test gpu", "cuda": "13.0", "case_id": f"G3-T4/memory-{context}",

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from adaattn.config import ConfigError, load_raw, validate
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 TOY = {"cases": [{"model": "dense_small", "batch": 2, "seq_len": 16, "configs": ["plain", "kernels", "loss", "fp8"]}],
@@ -26,7 +26,7 @@ def _params(update=None):
 
 
 def test_each_config_is_timed_side_by_side_with_its_own_graph(monkeypatch):
-    from adaattn_experiments import mfu
+    from adaattn_experiments.mfu import study as mfu
 
     compile_ = torch.compile
     # dynamo's own eager backend: the graphs and guards without inductor's CPU compile time
@@ -56,7 +56,7 @@ def test_each_config_is_timed_side_by_side_with_its_own_graph(monkeypatch):
 
 
 def test_a_preset_without_an_op_our_kernels_cover_says_so():
-    from adaattn_experiments.mfu import Mfu
+    from adaattn_experiments.mfu.study import Mfu
 
     params = _params()
     assert "no op our kernels cover" in Mfu("cpu").unavailable("kernels", params.models["g0_small"])
@@ -78,7 +78,7 @@ def _frame(ms: dict[str, float], ratios: dict[str, tuple[float, float, float]], 
 
 
 def test_the_goals_read_the_best_config(tmp_path):
-    from adaattn_experiments.mfu_report import render
+    from adaattn_experiments.mfu.report import render
 
     df = _frame({"plain": 180.0, "kernels": 170.0, "fp8": 150.0},
                 {"kernels": (1.06, 1.05, 1.07), "fp8": (1.2, 1.18, 1.22)})

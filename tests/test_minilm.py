@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adaattn.config import ConfigError
-from adaattn_experiments import minilm
+from adaattn_pipeline.config import ConfigError
+from adaattn_experiments.rank import minilm
 
 from test_g2_studies import _params, _run
 
@@ -90,10 +90,10 @@ def test_an_interrupted_capture_leaves_the_earlier_file(tmp_path, monkeypatch):
 def test_capture_command_takes_every_profiles_lengths(tmp_path):
     from typer.testing import CliRunner
 
-    from adaattn_experiments.cli import app
+    from adaattn_experiments.rank.capture import app
 
     out = tmp_path / "c.pt"
-    result = CliRunner().invoke(app, ["capture-real-inputs", "--out", str(out)])
+    result = CliRunner().invoke(app, ["--out", str(out)])
     assert result.exit_code == 0, result.output
     cfg = _params()[0].g2_c1
     want = {*cfg.cpu.real_seq_lens, *cfg.gpu.real_seq_lens}
@@ -102,7 +102,7 @@ def test_capture_command_takes_every_profiles_lengths(tmp_path):
 
 
 def test_rank_study_on_real_inputs(capture):
-    from adaattn_experiments.rank import STUDY
+    from adaattn_experiments.rank.study import STUDY
 
     params, _ = _params(**{"G2-C1.cpu.seq_lens": [128], "G2-C1.cpu.true_ranks": [8], "G2-C1.cpu.ranks": [8, 16],
                            "G2-C1.cpu.exact_providers": ["sdpa"], "G2-C1.cpu.random_inputs": False,
@@ -123,7 +123,7 @@ def test_rank_study_on_real_inputs(capture):
 
 
 def test_rank_study_without_the_capture_says_how_to_make_it(capture):
-    from adaattn_experiments.rank import STUDY
+    from adaattn_experiments.rank.study import STUDY
 
     params, _ = _params(**{"G2-C1.cpu.real_layers": [0], "G2-C1.cpu.real_seq_lens": [64, 128]})
     with pytest.raises(ConfigError, match=r"G2-C1\.cpu\.real_layers: .*not \[128\]: run `dvc repro real_inputs`"):

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaattn.config import ConfigError, load_params
-from adaattn.models import ModelConfig, Transformer, build_model, tiny
+from adaattn_pipeline.config import ConfigError, load_params
+from adaattn.models.config import ModelConfig
+from adaattn.models.transformer import Transformer, build_model, tiny
 from adaattn.models.card import counted_flops_per_token, estimate_memory, flops_per_token, model_card, param_counts
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
@@ -314,8 +315,9 @@ def test_card_command_writes_a_card_and_names_an_unknown_preset(tmp_path):
 
     from typer.testing import CliRunner
 
-    from adaattn_experiments.cli import app
+    from adaattn_pipeline.cli import build_app
 
+    app = build_app()
     result = CliRunner().invoke(app, ["card", "g0_small", "--out", str(tmp_path), "--no-check", "--params",
                                       str(PARAMS)])
     assert result.exit_code == 0, result.output

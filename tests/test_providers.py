@@ -115,8 +115,8 @@ def test_reference_is_chunk_invariant():
 
 
 def test_attention_study_compile_groups():
-    from adaattn.config import load_params
-    from adaattn_experiments.attention_backends import AttentionBackends
+    from adaattn_pipeline.config import load_params
+    from adaattn_experiments.attention_backends.study import AttentionBackends
 
     params, _ = load_params(Path(__file__).parents[1] / "params.yaml")
     for device, target in (("cpu", "cpu"), ("cuda", "h100")):

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaattn.models import ModelConfig, Transformer
+from adaattn.models.config import ModelConfig
+from adaattn.models.transformer import Transformer
 from adaattn.models.generate import generate, setup_kv_cache
 from adaattn.models.quant import Int8WeightOnlyLinear, quantize_int8_weight_only
 

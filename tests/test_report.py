@@ -1,21 +1,41 @@
-"""The rendered reports: a study's report opens with its verdicts, and the index marks results measured under
-other params than ``params.yaml`` (a ``--set`` run, or params changed since)."""
+"""The rendered reports: a study's report opens with its verdicts, and a result measured under other params or
+other code than today's (a ``--set`` run, params or code changed since) is stale: shown, marked, and voting on
+nothing."""
 
 import copy
 import json
 import shutil
 from pathlib import Path
 
-from adaattn.config import load_params, validate
-from adaattn.report.render import render_all
-from adaattn_experiments import STUDIES
+import pandas as pd
+
+from adaattn_pipeline.codegraph import study_code_hash
+from adaattn_pipeline.config import load_params, param_values, params_hash, validate
+from adaattn_pipeline.registry import studies
+from adaattn_pipeline.report.render import render_all
+
+STUDIES = studies()
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _render(tmp_path: Path, raw: dict) -> tuple[str, str]:
+def _copy_current(name: str, results: Path, raw: dict, stale: tuple[str, ...] = ()) -> None:
+    """The committed results of a study, their hashes set to what today's code and ``raw`` give (but for the
+    ``stale`` targets, whose code hash is made other): the rendering under test, whatever the repository's state."""
+    shutil.copytree(REPO / "results" / name, results / name)
+    study = STUDIES[name]
+    code = study_code_hash(name, study.data_deps)
+    for path in (results / name).glob("*.csv"):
+        df = pd.read_csv(path)
+        target = path.stem
+        df["params_hash"] = params_hash(param_values(raw, study.param_keys(raw, target)))
+        df["code_hash"] = "0" * 16 if target in stale else code
+        df.to_csv(path, index=False)
+
+
+def _render(tmp_path: Path, raw: dict, current: dict | None = None) -> tuple[str, str]:
     results = tmp_path / "results"
-    shutil.copytree(REPO / "results" / "cpu_baseline", results / "cpu_baseline")
+    _copy_current("cpu_baseline", results, current or raw)
     reports = tmp_path / "reports"
     render_all({"cpu_baseline": STUDIES["cpu_baseline"]}, validate(raw), raw, results, reports,
                tmp_path / "metrics.json")
@@ -36,15 +56,18 @@ def test_a_report_opens_with_its_verdicts_and_the_index_marks_stale_results(tmp_
     counts = json.loads((tmp_path / "now" / "metrics.json").read_text())
     assert list(counts) == ["G2-T1"] and sum(counts["G2-T1"].values()) == report.count("GPU-optimized AdaAttn")
     changed = copy.deepcopy(raw)
-    changed["G2-T1"]["cpu"]["embed_dim"] += 64  # the committed results were measured at another width
-    _, index = _render(tmp_path / "changed", changed)
+    changed["G2-T1"]["cpu"]["embed_dim"] += 64  # the results were measured at another width
+    report, index = _render(tmp_path / "changed", changed, current=raw)
     (row,) = [line for line in index.splitlines() if line.startswith("| G2-T1 ")]
-    assert "STALE: cpu" in row, row
+    assert "STALE (no verdict): cpu_baseline@cpu, re-measure on the CPU: its params changed" in row, row
+    assert "| table only |" in row  # its verdicts are not counted
+    assert json.loads((tmp_path / "changed" / "metrics.json").read_text()) == {}
+    assert "stale: re-measure on the CPU" in report and "**Stale results**" in report
 
 
 def test_a_verdict_too_long_for_a_cell_is_written_whole_in_its_note():
-    from adaattn.report.common import Verdict
-    from adaattn.report.render import _verdict_table
+    from adaattn_pipeline.report.common import Verdict
+    from adaattn_pipeline.report.render import _verdict_table
 
     long = "median 8.56x by time per call " + "x" * 150
     table = _verdict_table([Verdict("G2-T2", "speed", "2-4x", long, "H100", "holds", "why")])
@@ -55,7 +78,7 @@ def test_a_verdict_too_long_for_a_cell_is_written_whole_in_its_note():
 
 def test_one_verdict_rule_for_bands_points_and_bounds():
     """``judge``: the measured interval against the claim's band (docs/methods.md, Verdicts)."""
-    from adaattn.report.common import judge, median_interval
+    from adaattn_pipeline.report.common import judge, median_interval
 
     assert judge((2.5, 3.5), (2, 4)) == "holds"
     assert judge((5.0, 6.0), (2, 4)) == "better than claimed"  # faster than the guide claims
@@ -78,7 +101,7 @@ def test_a_table_id_judged_by_two_studies_keeps_both_in_the_index(tmp_path):
     _, raw = load_params(REPO / "params.yaml")
     results, reports = tmp_path / "results", tmp_path / "reports"
     for name in ("kernels", "checkpointing"):
-        shutil.copytree(REPO / "results" / name, results / name)
+        _copy_current(name, results, raw)
     render_all({n: STUDIES[n] for n in ("kernels", "checkpointing")}, validate(raw), raw, results, reports,
                tmp_path / "metrics.json")
     (row,) = [line for line in (reports / "README.md").read_text().splitlines() if line.startswith("| G4-T1 ")]
@@ -93,8 +116,8 @@ def test_g1_c1_reads_a_fused_forwards_hbm_traffic_against_the_runs_copy_bandwidt
     """q, k, v read and the output written once, over the forward's time, over the same run's copy GB/s."""
     import pandas as pd
 
-    from adaattn.report.common import fmt
-    from adaattn_experiments.attention_backends_report import render
+    from adaattn_pipeline.report.common import fmt
+    from adaattn_experiments.attention_backends.report import render
 
     df = pd.concat([pd.read_csv(p) for p in sorted((REPO / "results/attention_backends").glob("*.csv"))])
     (g1_c1,) = [s for s in render(df, tmp_path) if s.table_id == "G1-C1"]
@@ -108,3 +131,30 @@ def test_g1_c1_reads_a_fused_forwards_hbm_traffic_against_the_runs_copy_bandwidt
     gbps = 4 * rows.batch * rows.seq_len * rows.heads * rows.head_dim * size / (rows.value / 1e3) / 1e9
     (line,) = [ln for ln in g1_c1.markdown.splitlines() if ln.startswith("| cpu") and "| sdpa " in ln]
     assert f" {fmt((gbps / copy).median())} " in line, line
+
+
+def test_a_stale_target_casts_no_verdict_and_the_current_ones_stand(tmp_path):
+    """attention_backends measured on three targets, one of them (h200) by other code: its verdicts are rows that
+    say where to re-measure, counted nowhere; the other targets' verdicts are what they are without it."""
+    _, raw = load_params(REPO / "params.yaml")
+    verdicts = {}
+    for case, stale in (("all", ()), ("h200", ("h200",))):
+        results, reports = tmp_path / case / "results", tmp_path / case / "reports"
+        _copy_current("attention_backends", results, raw, stale)
+        render_all({"attention_backends": STUDIES["attention_backends"]}, validate(raw), raw, results, reports,
+                   tmp_path / case / "metrics.json")
+        verdicts[case] = pd.read_csv(reports / "verdicts" / "attention_backends.csv")
+        verdicts[case + "/metrics"] = json.loads((tmp_path / case / "metrics.json").read_text())
+        verdicts[case + "/stale"] = json.loads((reports / "stale.json").read_text())
+    h200 = pd.read_csv(REPO / "results/attention_backends/h200.csv").hardware.iloc[0]
+    both, one = verdicts["all"], verdicts["h200"]
+    mine = one.hardware.str.contains(h200, regex=False)
+    assert mine.any() and one[mine].verdict.str.startswith("stale: re-measure on H200").all()
+    assert "code changed" in one[mine].reason.iloc[0]
+    others = both[~both.hardware.str.contains(h200, regex=False)]
+    assert len(others) and set(map(tuple, others.values)) <= set(map(tuple, one[~mine].values))
+    counted = sum(n for c in verdicts["h200/metrics"].values() for n in c.values())
+    assert counted == (~one.verdict.str.startswith("stale")).sum() < len(one)
+    assert verdicts["h200/stale"] == {"attention_backends": {"h200": "re-measure on H200: its code changed since "
+                                                                     "it was measured"}}
+    assert verdicts["all/stale"] == {}

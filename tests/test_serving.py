@@ -61,7 +61,8 @@ def test_the_tracker_counts_tokens_over_time():
 def test_the_batch_processor_serves_each_prompt_as_generate_would_alone():
     """Prompts of two lengths, more than a batch of one length: grouped by length, at most max_batch a batch, and
     every sequence the one greedy generation gives that prompt by itself, in the order given."""
-    from adaattn.models import ModelConfig, Transformer
+    from adaattn.models.config import ModelConfig
+    from adaattn.models.transformer import Transformer
     from adaattn.models.generate import clear_kv_cache, generate, setup_kv_cache
     from adaattn.models.serving import BatchProcessor
 

@@ -1,4 +1,4 @@
-"""Side-by-side timing (``adaattn.bench.rounds`` and its rows, ``adaattn.bench.side_by_side``): rounds are
+"""Side-by-side timing (``adaattn.timing.rounds`` and its rows, ``adaattn_pipeline.bench.side_by_side``): rounds are
 shuffled permutations, the calls really interleave, a mode's call is what the harness times, and slow or
 failing providers become status rows without stopping the others."""
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from adaattn.bench.harness import Workload
-from adaattn.bench.timing import quantiles
-from adaattn.bench.rounds import interleaved_samples_ms, median_ci, outpaced, round_ratios, shuffled_rounds
-from adaattn.bench.side_by_side import call_of, side_by_side_rows
-from adaattn.config import Rounds
+from adaattn_pipeline.bench.harness import Workload
+from adaattn.timing.timers import quantiles
+from adaattn.timing.rounds import interleaved_samples_ms, median_ci, outpaced, round_ratios, shuffled_rounds
+from adaattn_pipeline.bench.side_by_side import call_of, side_by_side_rows
+from adaattn_pipeline.config import Rounds
 
 CONTENDER = Rounds(budget_ms=1, min_rounds=1, max_rounds=1).contender  # the default
 
@@ -178,7 +178,7 @@ def test_an_open_goal_takes_one_more_block_of_rounds(monkeypatch, clock):
     goal's bound, those providers take one more block of rounds (its own seed), once; the ratios come from
     all the rounds. Scripted turns: kept's ratio to rival alternates 0.9 and 1.1, rival's twin (an exact copy)
     leaves after the first block."""
-    import adaattn.bench.side_by_side as sbs
+    import adaattn_pipeline.bench.side_by_side as sbs
 
     blocks = []
 

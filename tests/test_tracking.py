@@ -5,7 +5,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from adaattn.tracking.mlflow_log import KEY_TAG, log_results_file
+from adaattn_pipeline.tracking.mlflow_log import KEY_TAG, log_results_file
 
 CONFIG = ["batch", "seq_len", "heads", "head_dim", "causal", "dtype"]
 
@@ -56,7 +56,7 @@ def test_logging_is_idempotent_and_replaces_remeasured_targets(repo, tmp_path, c
 def test_runs_hold_integer_params_mode_keys_measurement_time_figures_and_the_report(repo, tmp_path, client):
     """Integers filter as integers, a row without a mode makes no "nan." key, metrics carry the measurement's
     time, and every figure of the target (whatever its name's order) and the study's report are artifacts."""
-    from adaattn.tracking.mlflow_log import _child_runs, _clean, _key
+    from adaattn_pipeline.tracking.mlflow_log import _child_runs, _clean, _key
 
     assert (_clean(16384.0), _clean(0.5), _clean(float("nan")), _key("", "manager_ranking")) == \
         ("16384", "0.5", "", "manager_ranking")

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from adaattn.config import ConfigError, load_raw, validate
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 pytestmark = pytest.mark.usefixtures("pytorch_kernels")  # RoPE and norms by PyTorch: no interpreted Triton
@@ -49,7 +50,7 @@ def test_the_corpus_is_the_stdlib_split_by_file(tmp_path):
 
 
 def test_the_schedule_warms_up_then_decays_to_a_tenth():
-    from adaattn_experiments.train import lr_factor
+    from adaattn_experiments.common.fit import lr_factor
 
     assert [lr_factor(s, 4, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_factor(4, 4, 20) == 1.0 and lr_factor(19, 4, 20) > 0.1 and lr_factor(20, 4, 20) == pytest.approx(0.1)
@@ -59,9 +60,10 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
 def test_a_run_logs_curves_and_its_weights_load_back_to_the_same_validation_loss(tmp_path):
     from adaattn.models.data import VOCAB, batch, load_corpus
     from adaattn.models.train import Trainer, load_model
-    from adaattn.tracking.mlflow_log import _child_runs
-    from adaattn_experiments.train import Train, evaluate
-    from adaattn_experiments.train_report import render
+    from adaattn_pipeline.tracking.mlflow_log import _child_runs
+    from adaattn_experiments.common.fit import evaluate
+    from adaattn_experiments.train.study import Train
+    from adaattn_experiments.train.report import render
 
     params = _params()
     study = Train("cpu", tmp_path / "weights")
@@ -105,24 +107,13 @@ def test_bad_runs_name_the_key(update, message):
     assert message in str(err.value)
 
 
-def test_a_results_only_target_keeps_no_weights(tmp_path, monkeypatch):
-    """A train.results_only target (a GPU here, whose weights cannot travel back) writes its results and no weights;
-    the two lists split study_targets.train between them."""
-    from adaattn_experiments.train import Train
+def test_weights_stay_out_of_git_and_dvc(repo):
+    """A run's weights stay on the machine that trained them: not a DVC output (a fresh clone has no DVC cache
+    to restore them from, and would train again) and not tracked (git ignores the folder)."""
+    import yaml
 
-    params = _params({"models": ["dense_small"], "steps": 2, "warmup": 1, "log_every": 1, "eval_every": 2,
-                      "eval_batches": 1})
-    split = params.train.model_copy(update={"keep_weights": {}, "results_only": {"cpu": "cpu"}})
-    rows = Train("cpu", tmp_path / "weights").extra_rows(params.model_copy(update={"train": split}),
-                                                         params.targets["cpu"])
-    (weights,) = [r for r in rows if r["metric"] == "weights_mb"]
-    assert weights["status"] == "unavailable" and "results only" in weights["reason"]
-    assert not (tmp_path / "weights").exists()
-    raw = copy.deepcopy(load_raw(PARAMS))
-    raw["train"]["results_only"] = {}
-    with pytest.raises(ConfigError, match="must split study_targets.train between them"):
-        validate(raw)
-    raw["train"]["results_only"] = {"h100": "gpu"}
-    raw["train"]["keep_weights"] = {"cpu": "cpu", "h100": "gpu"}
-    with pytest.raises(ConfigError, match="each target once"):
-        validate(raw)
+    stage = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["train"]["do"]
+    assert [next(iter(o)) for o in stage["outs"]] == ["results/train/${key}.csv"]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "models/weights/cpu/dense_small.pt"], cwd=repo)
+    assert ignored.returncode == 0
+

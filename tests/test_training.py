@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 import torch
 
-from adaattn.bench.harness import Harness
-from adaattn.bench.roofline import Ceilings
-from adaattn.bench.timing import CpuTimer
-from adaattn.config import ConfigError, load_raw, validate
+from adaattn_pipeline.bench.harness import Harness
+from adaattn_pipeline.bench.roofline import Ceilings
+from adaattn.timing.timers import CpuTimer
+from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 SMALL = {"batch": 1, "seq_len": 16, "rungs": ["fp32", "tf32", "sdpa", "ada", "checkpointing"],
@@ -34,8 +34,8 @@ def _params(profile_update=None, raw_update=None):
 
 
 def test_the_ladder_runs_every_rung_from_the_same_weights(tmp_path):
-    from adaattn_experiments.training import STUDY
-    from adaattn_experiments.training_report import render
+    from adaattn_experiments.training.study import STUDY
+    from adaattn_experiments.training.report import render
 
     params = _params()
     study = STUDY.bind("cpu")
@@ -87,8 +87,8 @@ def test_bad_ladders_name_the_key(update, message):
 def test_each_compile_mode_is_timed_against_the_eager_rung(monkeypatch, tmp_path):
     """G0-C1's "each mode": the compile rung in each mode, side by side with the rung before it; the default mode is
     the ladder's own compile rung; the report judges each mode's gain (on a GPU)."""
-    from adaattn_experiments.training import STUDY
-    from adaattn_experiments.training_report import render
+    from adaattn_experiments.training.study import STUDY
+    from adaattn_experiments.training.report import render
 
     compile_ = torch.compile
     modes = []

@@ -32,7 +32,7 @@ from adaattn.attention.masks import merge_masks
 from adaattn.attention.precision import PrecisionPolicy, traced_dtype
 from adaattn.attention.rank import (LOW_RANK_METHODS, LowRank, choose_rank, low_rank_attention, low_rank_speed,
                                     skip_reason)
-from adaattn.layers.attention import _expand_kv
+from adaattn.attention.flexible import _expand_kv
 
 ENV_CACHE = "ADAATTN_KERNEL_CACHE"  # JSON file of the shared manager's rankings (``adaattn tune`` fills it)
 MASKED = "masked or causal: the low-rank path has no mask"  # why a call of rank_mode auto or int went exact

@@ -22,7 +22,7 @@ from torch import Tensor
 from adaattn.attention.chunked import chunked_attention
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.providers import PROVIDERS
-from adaattn.layers.attention import _expand_kv
+from adaattn.attention.flexible import _expand_kv
 from adaattn.names import BACKENDS as BACKEND_NAMES
 from adaattn.names import check_registry
 

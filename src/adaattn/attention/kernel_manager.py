@@ -6,7 +6,7 @@ none, and run by the first backend that works, falling back down the ranking (ea
 counted in ``get_statistics()``). Under ``torch.compile`` nothing is measured: ``traced_backend`` names the
 backend to emit, the ranking's first that traces, or ``DEFAULT`` (the signature is then listed as untuned).
 
-Measurement (``bench.rounds``, shared with the studies): the backends named, or the few the hardware leaves
+Measurement (``timing.rounds``, shared with the studies): the backends named, or the few the hardware leaves
 in the running (``IN_THE_RUNNING``), each warmed up, then a few shuffled rounds of GPU-time turns (the call
 captured as a CUDA graph and replayed: the host's time kept out, as compiled models run it), about
 ``budget_ms`` of calls, ranked by the median turn. Rankings persist (``cache_path``, ``ranking_cache.py``)
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from adaattn.attention.backends import BACKENDS, FLASH_LIKE, Signature, workload
 from adaattn.attention.ranking_cache import RankingCache
-from adaattn.bench.rounds import ranked_ms
+from adaattn.timing.rounds import ranked_ms
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class AttentionKernelManager:
 
     def measure(self, sig: Signature, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                 scale: float | None) -> list[str]:
-        """Rank the signature's candidates on these inputs (``bench.rounds``: GPU-time turns), keep and persist
+        """Rank the signature's candidates on these inputs (``timing.rounds``: GPU-time turns), keep and persist
         the ranking. A candidate that fails here is left out, its reason noted."""
         t0 = time.perf_counter()
         calls = {n: workload(BACKENDS[n].run, q, k, v, attn_mask, is_causal, scale, sig.grad)

@@ -23,7 +23,7 @@ for the values, not for the softmax):
   projection (E = F = segment averaging): softmax(Q K~^T + log n) V~, n the segments' sizes (each
   mean stands for its n keys). No solve: one attention of the L queries over r keys (SDPA),
   O(L r D), differentiable; a forward without autograd on a device the Triton kernels run on, with
-  S a multiple of r, is two fused launches (``kernels.nystrom.pooled_forward``; ``pooled_path`` says
+  S a multiple of r, is two fused launches (``kernels.pooled.pooled_forward``; ``pooled_path`` says
   which runs). Exact where the keys within each segment are equal (the values need not be); where
   they vary, every key of a segment gets its mean's weight, so it errs more than Nyström on the
   same landmarks.
@@ -54,6 +54,7 @@ from torch import Tensor
 
 from adaattn.attention.backends import BACKENDS, Signature, sdpa_path, workload
 from adaattn.kernels.runtime import get_kernel_status, needs_grad, use_triton
+from adaattn.kernels.pinv import pinv
 
 
 def sample_rows(n: int, rows: int, device) -> Tensor:
@@ -85,7 +86,7 @@ def estimate_rank(q: Tensor, k: Tensor, sample_rows: int = 64, energy: float = 0
 
 
 PINV_ITERS = 6  # Newton-Schulz iterations of the pseudo-inverse (Nyströmformer's default)
-PINV_MATMULS_PER_ITER = 4  # r x r x r products per iteration (``_pinv``): what bounds the solve's time
+PINV_MATMULS_PER_ITER = 4  # r x r x r products per iteration (``kernels.pinv``): what bounds the solve's time
 
 
 def _segment_means(x: Tensor, r: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -134,7 +135,7 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float |
     kf, vf = k.float(), v.float()
     b = torch.softmax(ql.reshape(B, Hkv, g * rank, D) @ kf.transpose(-2, -1) * scale, dim=-1)
     bv = (b @ vf).reshape(B, Hq, rank, D)
-    return (f @ (_pinv(a, pinv_iters) @ bv)).to(q.dtype)
+    return (f @ (pinv(a, pinv_iters) @ bv)).to(q.dtype)
 
 
 def nystrom_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
@@ -146,7 +147,7 @@ def nystrom_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
 
 def pooled_path(q: Tensor, k: Tensor, v: Tensor, rank: int) -> str:
     """Which implementation ``pooled_attention`` runs for these inputs: "triton" (two fused launches,
-    forward only: ``kernels.nystrom.pooled_forward``) or "torch: <why not triton>" (differentiable)."""
+    forward only: ``kernels.pooled.pooled_forward``) or "torch: <why not triton>" (differentiable)."""
     rank = min(rank, k.shape[2])
     why = _triton_why_not(q, k, v, rank)
     if why is None and k.shape[2] % rank:
@@ -176,7 +177,7 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | 
     fp32 or wider, rounded to the input dtype), n the segments' sizes (a bias only where they differ); no mask.
     q (B, Hq, L, D), k and v (B, Hkv, S, D); GQA by repeating the r means of a kv head (a small copy).
     One SDPA call, differentiable. Without autograd, on a device the Triton kernels run on, with S a
-    multiple of ``rank``: two fused launches instead (``kernels.nystrom.pooled_forward``: SDPA's host
+    multiple of ``rank``: two fused launches instead (``kernels.pooled.pooled_forward``: SDPA's host
     time alone is most of a call at the lengths where this path pays; ``pooled_path`` says which
     runs). ``rows``: only these query rows of the output."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -185,7 +186,7 @@ def pooled_attention(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float | 
     Hq, Hkv, S = q.shape[1], k.shape[1], k.shape[2]
     rank = min(rank, S)
     if pooled_path(q, k, v, rank) == "triton":
-        from adaattn.kernels.nystrom import pooled_forward
+        from adaattn.kernels.pooled import pooled_forward
 
         return pooled_forward(q, k, v, rank, scale, rows=rows)
     bias = None
@@ -222,21 +223,6 @@ def low_rank_attention(q: Tensor, k: Tensor, v: Tensor, choice: LowRank, scale: 
     if choice.method == "pooled":
         return pooled_attention(q, k, v, choice.rank, scale=scale, rows=rows)
     raise ValueError(f"low-rank method {choice.method!r} is not one of: {', '.join(LOW_RANK_METHODS)}")
-
-
-def _pinv(a: Tensor, iters: int) -> Tensor:
-    """Iterative Moore-Penrose inverse (Razavi et al. 2014, as Nyströmformer), differentiable and batched:
-    z <- z (13 I - a z (15 I - a z (7 I - a z))) / 4, each "c I - x y" one fused batched matmul."""
-    shape, n = a.shape, a.shape[-1]
-    a = a.reshape(-1, n, n)
-    eye = torch.eye(n, device=a.device, dtype=a.dtype)
-    eye7, eye15, eye13_4 = 7 * eye, 15 * eye, 3.25 * eye  # few launches per iteration: host time on a GPU
-    z = a.transpose(1, 2) / (a.abs().sum(2).amax(1) * a.abs().sum(1).amax(1))[:, None, None]
-    for _ in range(iters):
-        az = torch.bmm(a, z)
-        t = torch.baddbmm(eye15, az, eye7 - az, alpha=-1)
-        z = torch.bmm(z, torch.baddbmm(eye13_4, az, t, alpha=-0.25))
-    return z.view(shape)
 
 
 class Speed(NamedTuple):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import typer
 
-from adaattn.config import Layout
+from adaattn.distributed.layout import Layout
 from adaattn.distributed.parallel import init_mesh
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)

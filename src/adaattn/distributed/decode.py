@@ -27,7 +27,8 @@ import torch.distributed as dist
 import typer
 from rich.console import Console
 
-from adaattn.config import ConfigError, load_params
+from adaattn.distributed.layout import load_run_params
+from adaattn.errors import ConfigError
 from adaattn.distributed.parallel import check_layout, init_mesh, tensor_parallel
 from adaattn.models.train import DTYPES
 
@@ -58,7 +59,7 @@ def main(
     """Prefill and decode ``--model`` in params.yaml's ``parallel`` layout (one process, or tensor parallelism)."""
     console = Console(stderr=True, soft_wrap=True)
     try:  # every check before a process group starts
-        cfg_all, _ = load_params(params, set_)
+        cfg_all = load_run_params(params, set_)
         if model not in cfg_all.models:
             raise ConfigError(f"--model {model!r} is not a preset of models; allowed: {', '.join(cfg_all.models)}")
         layout, cfg = cfg_all.parallel, cfg_all.models[model]
@@ -91,7 +92,7 @@ def main(
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(2) from None
 
-    from adaattn.models import build_model
+    from adaattn.models.transformer import build_model
     from adaattn.models.generate import decode_one, prefill, setup_kv_cache
 
     mesh = init_mesh(layout)

@@ -1,4 +1,4 @@
-"""A layout (``config.Layout``) made real: its checks before any process group starts, the device mesh, and a
+"""A layout (``distributed.layout.Layout``) made real: its checks before any process group starts, the device mesh, and a
 model wrapped for it (DDP, FSDP2, HSDP or tensor parallelism); per-rank throughput and memory, gathered.
 
 Processes come from torchrun, which sets RANK, LOCAL_RANK and WORLD_SIZE; one process a GPU (NCCL), or CPU
@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from adaattn.config import ConfigError, Layout
+from adaattn.distributed.layout import Layout
+from adaattn.errors import ConfigError
 from adaattn.models.config import ModelConfig
 from adaattn.models.train import DTYPES
 

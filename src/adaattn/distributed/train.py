@@ -24,7 +24,8 @@ import typer
 from rich.console import Console
 from torch.distributed.tensor import DTensor
 
-from adaattn.config import ConfigError, load_params
+from adaattn.distributed.layout import load_run_params
+from adaattn.errors import ConfigError
 from adaattn.distributed.parallel import (RankStats, check_layout, exposed_communication, gather_stats, init_mesh,
                                          parallelize)
 
@@ -100,7 +101,7 @@ def main(
     """Train ``--model`` for ``--steps`` in params.yaml's ``parallel`` layout."""
     console = Console(stderr=True, soft_wrap=True)  # each rank's lines whole in a launcher's log
     try:  # every check before a process group starts: a bad layout stops each process alike, at once
-        cfg_all, _ = load_params(params, set_)
+        cfg_all = load_run_params(params, set_)
         if model not in cfg_all.models:
             raise ConfigError(f"--model {model!r} is not a preset of models; allowed: {', '.join(cfg_all.models)}")
         layout, cfg = cfg_all.parallel, cfg_all.models[model]
@@ -132,7 +133,7 @@ def main(
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(2) from None
 
-    from adaattn.models import build_model
+    from adaattn.models.transformer import build_model
     from adaattn.models.data import batch, load_corpus
     from adaattn.models.train import Trainer, param_groups
 

@@ -1,5 +1,5 @@
-"""Nyström attention forward in four Triton launches (inference; ``rank.nystrom_attention`` picks it),
-and the pooled low-rank path's forward in two of them (``rank.pooled_attention`` picks it).
+"""Nyström attention forward in four Triton launches (inference; ``rank.nystrom_attention`` picks it);
+the pooled low-rank path's forward (``kernels.pooled``) reuses its landmark means and output pass.
 
 The PyTorch path runs some 90 small launches per call (segment means, softmaxes, casts, 6
 iterations of a 4-matmul pseudo-inverse), so on a GPU its time per call is host time and hardly
@@ -15,7 +15,7 @@ depends on S. Here the same maths runs in four kernels, all fp32 intermediates i
    softmax(Q~ K~^T), runs the Newton-Schulz pseudo-inverse in registers and writes
    W = pinv(kernel) (b v), an (r, D) fp32 matrix. Past ``MAX_FUSED_SOLVE_RANK`` landmarks (or
    its tile limit at head dim 128) the iterates no longer fit one program, and one head's solve
-   on one SM would be most of the call's time: ``_solve_batched`` runs the same maths as
+   on one SM would be most of the call's time: ``nystrom_solve._solve_batched`` runs the same maths as
    batched fp32 matmuls over all heads. Those are some 35 launches: on the H100 host of the rank
    study their issue took 1.8 ms per call and the GPU 0.97 ms with the gaps between them (scratch
    timing, 256 landmarks, 8 heads), so on a GPU they are captured once per kind of call as a CUDA
@@ -25,7 +25,7 @@ depends on S. Here the same maths runs in four kernels, all fp32 intermediates i
 4. ``_nystrom_out``: out = softmax(q K~^T) W, a flash forward with r keys (in blocks of at most
    128, an online softmax across them).
 
-The pooled low-rank path (``rank.pooled_attention``, ``pooled_forward``) is two launches:
+The pooled low-rank path (``rank.pooled_attention``, ``pooled.pooled_forward``) is two launches:
 ``_pooled_means`` (K~ and V~ summed in fp32, stored in the input dtype) and ``_nystrom_out`` with V~
 for W. V~ holds input-dtype values, so there P V~ runs in the input dtype (bf16 / fp16 inputs), as
 flash attention's P V: the path is attention over r keys at flash's precision. In fp32 (tf32x3, as
@@ -46,27 +46,21 @@ Launch parameters are fixed (below), not tuned per shape.
 from __future__ import annotations
 
 import functools
-import logging
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from adaattn.kernels.nystrom_solve import _SOLVE_LOCK, _solve_batched, _SolveGraph
+from adaattn.kernels.recorded import RecordedLaunches
 from adaattn.kernels.runtime import (
     Launcher,
-    _driver,
     interpreter,
     last_dim_contiguous,
     programs_for,
-    specialization,
 )
-
-log = logging.getLogger(__name__)
 
 MAX_RANK = 1024  # landmarks of the Triton path
 MAX_FUSED_SOLVE_RANK = 128  # the r x r solve in one program per head up to here
@@ -324,23 +318,6 @@ def _nystrom_out(Q, WS, O, off_kl, off_w, L, rank, n_heads, group, qk_scale,
              o.to(O.dtype.element_ty), mask=qmask)
 
 
-@triton.jit
-def _pooled_means(K, V, WS, off_w, S, rank,
-                  sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                  n_kv_heads, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The pooled path's means (``rank.pooled_attention``): segment i of (batch, kv head) ``pid``, summed in
-    fp32. K~ to WS[0:] and V~ to WS[off_w:], each (B, Hkv, rank, D) in the input dtype (WS's), as the
-    PyTorch path rounds them."""
-    i, pid = tl.program_id(0), tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    at = (pid * rank + i).to(tl.int64) * HEAD_DIM + d
-    km = _landmark(K, sk_b, sk_h, sk_s, S, pid, n_kv_heads, i, rank, d, dmask, BLOCK_T, BLOCK_D)
-    tl.store(WS + at, km.to(WS.dtype.element_ty), mask=dmask)
-    vm = _landmark(V, sv_b, sv_h, sv_s, S, pid, n_kv_heads, i, rank, d, dmask, BLOCK_T, BLOCK_D)
-    tl.store(WS + off_w + at, vm.to(WS.dtype.element_ty), mask=dmask)
-
-
 def supported(q: Tensor, rank: int) -> str | None:
     """None when the Triton path can run these shapes, else why not."""
     if rank > MAX_RANK:
@@ -380,8 +357,8 @@ OUT_MAX_BLOCK_R = 128  # landmarks per step of the output pass (head dim <= 64; 
 OUT_WARPS = 4
 
 
-_launch_landmarks, _launch_bv_partial, _launch_landmark_solve, _launch_nystrom_out, _launch_pooled_means = (
-    Launcher(k) for k in (_landmarks, _bv_partial, _landmark_solve, _nystrom_out, _pooled_means))
+_launch_landmarks, _launch_bv_partial, _launch_landmark_solve, _launch_nystrom_out = (
+    Launcher(k) for k in (_landmarks, _bv_partial, _landmark_solve, _nystrom_out))
 
 
 @dataclass(frozen=True)
@@ -441,50 +418,6 @@ def _out_params(block_d: int, block_r: int) -> tuple[int, int, bool]:
     return OUT_BLOCK_M[out_block_r] // halve, out_block_r, block_r <= OUT_MAX_BLOCK_R // halve
 
 
-class _Launches:
-    """The four launches of one ``nystrom_forward`` call. The first call of a kind (shapes, strides,
-    dtypes, alignment: ``key``) goes through ``Launcher`` and records the compiled kernels it ran;
-    later calls of that kind launch those directly, skipping ``Launcher``'s specialisation of some
-    20 arguments per launch (``specialization``, 5.4 us per launch on the H100 host of the rank study,
-    scratch timing). Every argument ``specialization`` reads is a function of ``key``."""
-
-    __slots__ = ("key", "bound", "record", "stream", "i")
-
-    def __init__(self, key: tuple):
-        self.key, self.i = key, 0
-        direct = _launch_landmarks.direct()  # off under launch hooks (a profiler) or when turned off
-        self.bound = _BOUND.get(key) if direct else None
-        self.record: list | None = [] if direct and self.bound is None else None
-        self.stream = _driver().get_current_stream(_driver().get_current_device()) if self.bound else None
-
-    def __call__(self, launcher: Launcher, grid: tuple[int, ...], *args, **kwargs) -> None:
-        if self.bound is not None:
-            kernel, consts = self.bound[self.i]
-            self.i += 1
-            kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, self.stream,
-                       kernel.function, kernel.packed_metadata, None, None, None, *args, *consts)
-            return
-        launcher(grid, *args, **kwargs)
-        if self.record is None:
-            return
-        kernel = launcher.compiled.get((_driver().get_current_device(), specialization(args, launcher.constexpr),
-                                        *kwargs.items()))
-        consts = [kwargs.get(n, _MISSING) for n in launcher.names[len(args):]]
-        if kernel is None or _MISSING in consts:  # not compiled for a direct launch: Launcher's path every call
-            self.record = None
-            return
-        self.record.append((kernel, consts))
-
-    def done(self) -> None:
-        if self.record is not None and len(_BOUND) < MAX_BOUND:
-            _BOUND[self.key] = self.record
-
-
-_MISSING = object()
-_BOUND: dict[tuple, list] = {}  # kind of call -> (compiled kernel, constexpr values) per launch, in order
-MAX_BOUND = 1024
-
-
 def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pinv_iters: int,
                     rows: Tensor | None = None) -> Tensor:
     """softmax(q K~^T) pinv(softmax(Q~ K~^T)) softmax(Q~ k^T) v with ``rank`` segment-mean
@@ -502,7 +435,7 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
     Lr = qr.shape[2]
     # the workspace and the output are fresh allocations: aligned, strides set by the shape
     qs, ks, vs, qrs = q.stride(), k.stride(), v.stride(), qr.stride()
-    launch = _Launches((B, Hq, Hkv, L, S, D, rank, Lr, pinv_iters, q.device, q.dtype, k.dtype, v.dtype, qs, ks, vs,
+    launch = RecordedLaunches(_launch_landmarks, (B, Hq, Hkv, L, S, D, rank, Lr, pinv_iters, q.device, q.dtype, k.dtype, v.dtype, qs, ks, vs,
                         qrs, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, qr.data_ptr() % 16))
     solve = None if p.fused else functools.partial(_solve_batched, B=B, Hq=Hq, Hkv=Hkv, rank=rank, D=D, splits=p.splits,
                                                    off_kl=p.off_kl, off_m=p.off_m, off_acc=p.off_acc, off_w=p.off_w,
@@ -550,165 +483,8 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, pi
     return out
 
 
-def pooled_forward(q: Tensor, k: Tensor, v: Tensor, rank: int, scale: float, rows: Tensor | None = None) -> Tensor:
-    """softmax(q K~^T * scale) V~ over ``rank`` segment means of k and v, segments of equal size (no size
-    bias), without autograd: two launches, the means (``_pooled_means``) and the output pass that
-    Nyström's last launch is (``_nystrom_out``, with V~ for its W). q (B, Hq, L, D); k, v (B, Hkv, S, D),
-    S a multiple of ``rank``; ``rows``: only these query rows. Output in q's dtype.
-
-    K~ and V~ are stored in the input dtype, and with bf16 or fp16 inputs the output pass multiplies P by
-    V~ in that dtype, as flash attention multiplies P by V: the path is then attention over r keys at
-    flash's precision. (Nyström's W is an fp32 solve result, so its pass keeps P W at fp32 accuracy.)"""
-    B, Hq, L, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if S % rank:
-        raise ValueError(f"the fused pooled path needs S ({S}) a multiple of rank ({rank})")
-    group = Hq // Hkv
-    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    p = _pooled_plan(S, D, rank)
-    qr = q if rows is None else q[:, :, rows]
-    Lr = qr.shape[2]
-    ks, vs, qrs = k.stride(), v.stride(), qr.stride()
-    launch = _Launches(("pooled", B, Hq, Hkv, S, D, rank, Lr, q.device, q.dtype, k.dtype, v.dtype, ks, vs, qrs,
-                        k.data_ptr() % 16, v.data_ptr() % 16, qr.data_ptr() % 16))
-    off_w = B * Hkv * rank * D
-    ws = torch.empty(2 * off_w, device=q.device, dtype=q.dtype)  # K~ | V~, per kv head
-    launch(_launch_pooled_means, (rank, B * Hkv),
-        k, v, ws, off_w, S, rank, ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], Hkv,
-        HEAD_DIM=D, BLOCK_T=p.mean_rows, BLOCK_D=p.block_d, num_warps=p.mean_warps)
-    out = torch.empty(B, Hq, Lr, D, device=q.device, dtype=q.dtype)
-    fp32 = q.dtype == torch.float32 or interpreter()
-    launch(_launch_nystrom_out, (_cdiv(Lr, p.block_m), B * Hq),
-        qr, ws, out, 0, off_w, Lr, rank, Hq, group, scale * LOG2E,
-        qrs[0], qrs[1], qrs[2], Hq * Lr * D, Lr * D, D,  # out: (B, Hq, Lr, D), contiguous
-        HEAD_DIM=D, BLOCK_M=p.block_m, BLOCK_R=p.block_r, BLOCK_D=p.block_d, FP32=fp32,
-        ONE_BLOCK=p.one_block, LOWP=not fp32, W_PER_KV=True, num_warps=p.warps, num_stages=p.stages)
-    launch.done()
-    return out
-
-
 @functools.lru_cache(maxsize=256)
 def _mean_params(segment: int, block_d: int) -> tuple[int, int]:
     """(BLOCK_T, num_warps) of a segment-mean kernel for segments of up to ``segment`` rows."""
     rows = min(_block(segment), MEAN_MAX_ROWS, max(16, MEAN_MAX_TILE // block_d))
     return rows, min(16, max(2, rows * block_d // MEAN_PER_WARP))
-
-
-class _PooledPlan(NamedTuple):
-    """The pooled forward's launch parameters: the means' (``_mean_params``) and the output pass's."""
-
-    mean_rows: int
-    mean_warps: int
-    block_d: int
-    block_m: int
-    block_r: int
-    one_block: bool
-    warps: int
-    stages: int
-
-
-# the pooled output pass (products in the input dtype), by padded head dim: every landmark in one block
-# up to POOLED_ONE_BLOCK_R, else (BLOCK_M, BLOCK_R, warps, stages) of the online-softmax loop. From a sweep
-# of whole pooled calls on an H100 (bf16, 8 heads, S 8192 and 16384; head dim 64: 16-1024 landmarks, 128:
-# 32-512): within 2% of the fastest of up to 44 configurations at every point from 128 landmarks up.
-POOLED_ONE_BLOCK_R = {64: 64, 128: 32}
-POOLED_LOOP = {64: (128, 64, 8, 3), 128: (64, 32, 4, 3)}
-POOLED_ONE_BLOCK = (64, 4, 3)  # BLOCK_M, warps, stages
-
-
-@functools.lru_cache(maxsize=256)
-def _pooled_plan(S: int, D: int, rank: int) -> _PooledPlan:
-    block_d, block_r = _block(D), _block(rank)
-    means = _mean_params(_cdiv(S, rank), block_d)
-    dk = max(64, block_d)
-    if block_r <= POOLED_ONE_BLOCK_R[dk]:
-        block_m, warps, stages = POOLED_ONE_BLOCK
-        return _PooledPlan(*means, block_d, block_m, block_r, True, warps, stages)
-    block_m, block_r, warps, stages = POOLED_LOOP[dk]
-    return _PooledPlan(*means, block_d, block_m, block_r, False, warps, stages)
-
-
-def _solve_batched(ws: Tensor, *, B: int, Hq: int, Hkv: int, rank: int, D: int, splits: int, off_kl: int, off_m: int,
-                   off_acc: int, off_w: int, scale: float, pinv_iters: int) -> None:
-    """W = pinv(softmax(Q~ K~^T)) (b v) into WS[off_w:], for ranks past the fused solve: the same
-    maths as ``_landmark_solve`` (merge the key splits, the landmark kernel, Newton-Schulz) as
-    batched fp32 matmuls over all heads (the r x r iterates no longer fit one program)."""
-    from adaattn.attention.rank import _pinv
-
-    n_rows = Hq // Hkv * rank
-    n_part = B * Hkv * splits * n_rows
-    ql = ws[:B * Hq * rank * D].view(B, Hkv, n_rows, D)  # a kv head's query heads' landmarks, stacked
-    kl = ws[off_kl:off_kl + B * Hkv * rank * D].view(B, Hkv, rank, D)
-    m = ws[off_m:off_m + n_part].view(B, Hkv, splits, n_rows)  # row max per split, log2 units
-    l_part = ws[off_m + n_part:off_m + 2 * n_part].view(B, Hkv, splits, n_rows)
-    acc = ws[off_acc:off_acc + n_part * D].view(B, Hkv, splits, n_rows, D)
-    weight = torch.exp2(m - m.amax(2, keepdim=True))
-    bv = (acc * weight[..., None]).sum(2) / (l_part * weight).sum(2)[..., None]
-    a = torch.softmax(ql @ kl.transpose(-2, -1) * scale, dim=-1)  # (B, Hkv, g r, r)
-    a, bv = a.view(B * Hq, rank, rank), bv.view(B * Hq, rank, D)
-    torch.bmm(_pinv(a, pinv_iters), bv, out=ws[off_w:off_w + B * Hq * rank * D].view(B * Hq, rank, D))
-
-
-class _SolveGraph:
-    """The batched solve of one kind of call (shapes, workspace layout, scale, iterations; the device,
-    the current stream, the fp32 matmul settings), captured once as a CUDA graph over a workspace that then
-    persists: each call's kernels fill it, the graph replays the solve in it. Calls on one stream
-    run in order, so they can share it (``_SOLVE_LOCK``: two threads' launches do not interleave);
-    another stream gets its own. Up to ``MAX_SOLVE_GRAPHS``
-    are kept, the least recently used dropped first (each holds its workspace and the solve's
-    intermediates: a few r x r fp32 matrices per head). None, and the solve runs launch by launch on a
-    fresh workspace, off CUDA, in the interpreter, while the caller's stream is being captured
-    (the launches then join the caller's graph) or where capture failed (logged once)."""
-
-    __slots__ = ("ws", "graph", "stream")
-
-    def __init__(self, ws: Tensor, graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream):
-        self.ws, self.graph, self.stream = ws, graph, stream
-
-    @staticmethod
-    def get(kind: tuple, numel: int, device: torch.device, solve) -> _SolveGraph | None:
-        if device.type != "cuda" or interpreter() or not GRAPH_SOLVE or torch.cuda.is_current_stream_capturing():
-            return None
-        key = (*kind, device, torch.cuda.current_stream(device).cuda_stream, torch.get_float32_matmul_precision(),
-               getattr(torch.backends.cuda.matmul, "fp32_precision", None))
-        entry = _SOLVE_GRAPHS.get(key)
-        if entry is not None:
-            _SOLVE_GRAPHS.move_to_end(key)
-            return entry
-        if key in _SOLVE_UNGRAPHED:
-            return None
-        try:
-            entry = _SolveGraph._capture(numel, device, solve)
-        except RuntimeError as err:  # the launches still run, one by one
-            _SOLVE_UNGRAPHED.add(key)
-            log.warning("Nyström batched solve not captured as a CUDA graph (%s: %s); it runs launch by launch",
-                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-            return None
-        if len(_SOLVE_GRAPHS) >= MAX_SOLVE_GRAPHS:
-            _SOLVE_GRAPHS.popitem(last=False)[1].stream.synchronize()  # its replays done before its memory goes
-        _SOLVE_GRAPHS[key] = entry
-        return entry
-
-    @staticmethod
-    def _capture(numel: int, device: torch.device, solve) -> _SolveGraph:
-        with torch.cuda.device(device):
-            ws = torch.zeros(numel, device=device, dtype=torch.float32)  # finite: the warm-up and capture read it
-            here, side = torch.cuda.current_stream(), torch.cuda.Stream()
-            side.wait_stream(here)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(side):
-                solve(ws)  # warm-up outside the capture (cuBLAS handles, workspaces)
-                graph.capture_begin(capture_error_mode="thread_local")  # other threads' CUDA calls go on
-                try:
-                    solve(ws)
-                finally:
-                    graph.capture_end()
-            here.wait_stream(side)
-        return _SolveGraph(ws, graph, here)
-
-
-GRAPH_SOLVE = True  # capture the batched solve as a CUDA graph (False: every call launches it op by op)
-MAX_SOLVE_GRAPHS = 8
-_SOLVE_GRAPHS: OrderedDict[tuple, _SolveGraph] = OrderedDict()
-_SOLVE_UNGRAPHED: set[tuple] = set()  # kinds whose capture failed
-_SOLVE_LOCK = threading.Lock()  # held while a batched-solve call issues its launches

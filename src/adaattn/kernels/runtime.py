@@ -318,12 +318,12 @@ class TunedLaunch:
     call that runs it through the public launcher, so a backward's partial-sum launch is timed with
     it. A config's time at a size is the median GPU time of its kernels over ``TUNE_CALLS`` calls,
     each after an L2 flush, from one CUPTI trace for every config and size, their calls round robin
-    (``bench.timing.kernel_times_ms``): the kernel time the kernels study reports, with no host
+    (``timing.timers.kernel_times_ms``): the kernel time the kernels study reports, with no host
     time in it, and no config favoured by where it comes in the order. Back-to-back calls in a CUDA
     graph, timed with events, rank configs differently at small problems (the next kernel's start
     hides the previous one's tail and no call starts from a cold cache); they remain the fallback
     while another profiler is running, where a second trace cannot start, and where no trace could
-    be cut into calls (``bench.timing.UncutTrace``).
+    be cut into calls (``timing.timers.UncutTrace``).
 
     The fastest config at each tuning size is kept (``picks_per_size``); a call runs the one kept
     for the tuning size nearest its own main input (the kernel's first argument, ``size_index``):
@@ -389,7 +389,7 @@ class TunedLaunch:
         calls = [self._forcing(metas[i], problems[j]) for i, j in pairs]
         column = None
         if not torch.autograd._profiler_enabled():
-            from adaattn.bench.timing import UncutTrace, kernel_times_ms
+            from adaattn.timing.timers import UncutTrace, kernel_times_ms
 
             try:
                 column = [statistics.median(x) for x in kernel_times_ms(calls, TUNE_CALLS).samples]

@@ -1,11 +1,7 @@
-"""Model layers on the fused kernels (G4-C1): RMSNorm, SwiGLUMLP, RotaryEmbedding, flexible_attention,
-GradientCheckpointMixin, compute_memory_footprint."""
+"""Model layers on the fused kernels (G4-C1): RMSNorm, SwiGLUMLP, RotaryEmbedding, GradientCheckpointMixin,
+compute_memory_footprint. (``flexible_attention`` is an attention function: ``adaattn.attention.flexible``.)"""
 
-from adaattn.layers.attention import flexible_attention, get_attention_backend, set_attention_backend
 from adaattn.layers.common import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from adaattn.layers.memory import GradientCheckpointMixin, compute_memory_footprint
 
-__all__ = [
-    "RMSNorm", "SwiGLUMLP", "RotaryEmbedding", "flexible_attention", "set_attention_backend",
-    "get_attention_backend", "GradientCheckpointMixin", "compute_memory_footprint",
-]
+__all__ = ["RMSNorm", "SwiGLUMLP", "RotaryEmbedding", "GradientCheckpointMixin", "compute_memory_footprint"]

@@ -81,7 +81,7 @@ def compute_memory_footprint(model: nn.Module, batch_size: int, seq_len: int,
     """Bytes of a training step: parameters, gradients, AdamW state (2 fp32 per parameter), and the
     activations, measured as the peak allocation of one forward + backward beyond what was held
     before it (CUDA allocator on a GPU, the profiler's allocation events on a CPU)."""
-    from adaattn.bench.memory import peak_memory_bytes
+    from adaattn.timing.memory import peak_memory_bytes
 
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1; got {batch_size}, {seq_len}")

@@ -1,7 +1,7 @@
 """Guide 003's serving helpers: ``find_optimal_batch_size`` (the largest batch a call runs at, found on the
 device with out-of-memory recovery, cached), a ``ThroughputTracker`` with a live progress line (rich) and a
 ``BatchProcessor`` that serves many prompts in batches (its ``stats``: time, tokens/s and, on a GPU, each batch's
-peak allocation). A call's peak memory on any device: ``adaattn.bench.memory.peak_memory_bytes``.
+peak allocation). A call's peak memory on any device: ``adaattn.timing.memory.peak_memory_bytes``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from adaattn.bench.harness import classify_error
+from adaattn.errors import classify_error
 from adaattn.models.generate import clear_kv_cache, decode_one, generate, setup_kv_cache
 
 

@@ -261,7 +261,7 @@ def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | d
     into one kernel per step (``fused``: None = on CUDA) over ``param_groups``; a
     ``Trainer`` with autocast to ``dtype`` and gradient clipping. ``compile_scope``: as ``optimize_model``'s;
     ``compile_loss``: the trainer's default loss (cross-entropy over fp32 logits) compiled too."""
-    from adaattn.models import build_model
+    from adaattn.models.transformer import build_model
 
     _check_mode(compile_mode)
     _check_dtype(dtype)

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.ada import AdaAttention
-from adaattn.layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP, flexible_attention
+from adaattn.attention.flexible import flexible_attention
+from adaattn.layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from adaattn.models.config import ModelConfig
-from adaattn.models.generate import KVCache
+from adaattn.models.kv_cache import KVCache
 from adaattn.models.ltm import Compressor, SegmentCache, empty_banks, memory_kv, memory_stats, segment_mask, write
 from adaattn.models.hydra import CCGQAttention, Router, capacity, gather, rotate_at, routed, scatter
 
@@ -370,3 +371,23 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         logits, aux = self(tokens, return_aux=True)
         ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         return ce + self.cfg.router_aux_weight * aux
+
+
+def build_model(cfg: ModelConfig | dict, device=None, dtype=None) -> Transformer:
+    """A ``Transformer`` from a config or a preset's dict (validated first: a bad key is named)."""
+    cfg = cfg if isinstance(cfg, ModelConfig) else ModelConfig(**cfg)
+    with torch.device(device or "cpu"):
+        model = Transformer(cfg)
+    return model if dtype is None else model.to(dtype)
+
+
+def tiny(cfg: ModelConfig) -> ModelConfig:
+    """The same architecture at toy sizes (the CPU tests' variant of a preset): 2 layers (3 with recursions),
+    width 32 x compression, the preset's head grouping kept where it fits, LTM segments of 8."""
+    heads = 4
+    kv = max(1, heads // (cfg.n_heads // cfg.kv_heads))
+    layers = 3 if cfg.recursions > 1 else 2  # a shared stack between a first and a last block
+    # LTM: segments of 8 writing 2 slots into banks of 4, so a short input reads, writes and merges
+    ltm = {"segment_len": 8, "memory_compression": 4, "memory_slots": 4} if cfg.memory_slots is not None else {}
+    return ModelConfig(**{**cfg.model_dump(), "dim": 32 * cfg.compression, "n_layers": layers, "n_heads": heads,
+                          "n_kv_heads": kv, "vocab_size": 256, "mlp_hidden": None, "max_seq_len": 64, **ltm})

@@ -1,0 +1,1 @@
+"""The allocator study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

@@ -1,0 +1,1 @@
+"""The attention_backends study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

@@ -1,0 +1,1 @@
+"""The ccgqa study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

@@ -1,0 +1,1 @@
+"""The checkpointing study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

@@ -1,0 +1,1 @@
+"""The distributed study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

@@ -1,0 +1,1 @@
+"""The inference study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

@@ -1,0 +1,207 @@
+"""The inference study (G3-T3, issue 48's decode goals): a dense decoder's prefill and decode step in each config,
+side by side per batch size, every config from the same weights (``config.InferenceSweep``: base, flash, int8,
+compiled, compiled_int8, compiled_torchao_int8, no_cache).
+
+Per batch: the prompt's prefill (``models.generate.prefill``) side by side across the configs with a cache; one
+decode step (``decode_one`` at the position after the prompt, the cache as long as prompt and new tokens) side by
+side across every config, ``no_cache`` running the whole prefix and the new token instead; each config's peak
+memory over a prefill and ``new_tokens`` decode steps; and the bytes a decode step must read (weights, and the
+whole static cache, which the masked attention reads), from which the report gives the achieved bandwidth as a
+fraction of the copy bandwidth measured at the start of the same run (the decode roofline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from adaattn_pipeline.bench.harness import Workload
+from adaattn.timing.memory import peak_row
+from adaattn_pipeline.bench.study import StudyDef
+from adaattn_pipeline.bench.side_by_side import side_by_side_rows
+from adaattn_pipeline.config import Params, Target
+from adaattn_experiments.inference.schema import InferenceSweep
+from adaattn.models.config import ModelConfig
+from adaattn.models.transformer import build_model
+from adaattn.models.generate import clear_kv_cache, decode_one, prefill, setup_kv_cache
+from adaattn.models.quant import quantize_int8_weight_only
+from adaattn.models.train import DTYPES
+
+INT8 = {"int8", "compiled_int8"}
+TORCHAO = {"compiled_torchao_int8"}
+COMPILED = {"compiled", "compiled_int8", *TORCHAO}
+
+
+def torchao_missing() -> str | None:
+    """Why torchao's INT8 weight-only config cannot run here (None: it can)."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure is the row's reason
+        return f"torchao.quantization not importable: {type(err).__name__}: {err}"[:300]
+    return None
+
+
+def nbytes(t: Tensor) -> int:
+    """A tensor's bytes; a wrapper subclass's (torchao's quantized weights) are its inner tensors'."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """What a decode step reads of the model: every parameter and buffer but the KV caches, the rotary table and the
+    embedding lookup's table (a step reads B of its rows; a head tied to it is read whole, once, as the head)."""
+    lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tied = getattr(model, "head", None) is not None and id(model.head.weight) in lookup
+    seen, total = set(), 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) in seen or ".cache." in f".{name}" or name.startswith("rope."):
+            continue
+        seen.add(id(t))
+        if id(t) in lookup and not (tied and t is model.head.weight):
+            continue
+        total += nbytes(t)
+    return total
+
+
+def cache_bytes(model: nn.Module) -> int:
+    """The KV caches' bytes: a decode step's masked attention reads each layer's whole static cache."""
+    return sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(("cache.k", "cache.v")))
+
+
+class Inference(StudyDef):
+    name = "inference"
+    table_ids = ("G3-T3",)
+    config_columns = ["model", "batch", "seq_len", "phase"]
+    sections = ("G3-T3",)
+
+    def presets(self, raw: dict, section: str, profile: str) -> list[str]:
+        return [raw[section][profile]["model"]]
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+
+    def bind(self, device: str) -> Inference:
+        return Inference(device)
+
+    def cases(self, params: Params, target: Target) -> list:
+        return []  # prefill and decode side by side: extra_rows
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        sweep: InferenceSweep = getattr(params.g3_t3, target.profile)
+        cfg = params.models[sweep.model]
+        torch.manual_seed(sweep.seed)
+        initial = build_model(cfg).state_dict()
+        missing = {c: why for c in sweep.configs if c in TORCHAO and (why := torchao_missing())}
+        models = {c: self._model(cfg, c, initial, sweep) for c in sweep.configs if c not in missing}
+        del initial
+        rows: list[dict] = []
+        for batch in sweep.batches:
+            self.note(f"batch {batch}: prefill and decode side by side, {', '.join(models)}")
+            rows += self._batch_rows(cfg, models, batch, sweep)
+            for c, why in missing.items():  # the peer that cannot run here: a row that says why
+                rows += [{"table_id": "G3-T3", "case_id": f"G3-T3/{sweep.model}-b{batch}-p{sweep.prompt_len}/{phase}",
+                          "kernel": "", "model": sweep.model, "batch": batch, "seq_len": sweep.prompt_len,
+                          "phase": phase, "provider": c, "mode": "fwd", "metric": "side_by_side_ms", "value": None,
+                          "unit": "ms", "status": "unavailable", "reason": why} for phase in ("prefill", "decode")]
+            torch._dynamo.reset()  # a fresh cache per batch: the compiled decode's graphs are per shape
+        return rows
+
+    def _model(self, cfg: ModelConfig, config: str, initial: dict[str, Tensor], sweep: InferenceSweep) -> nn.Module:
+        model = build_model(cfg)
+        model.load_state_dict(initial)
+        model = model.to(device=self.device, dtype=DTYPES[sweep.dtype]).eval().requires_grad_(False)
+        if config in TORCHAO:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+            # the linears ours quantizes: every one but the LM head (tied to the embedding's table)
+            quantize_(model, Int8WeightOnlyConfig(),
+                      filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "head")
+            return model
+        return quantize_int8_weight_only(model) if config in INT8 else model
+
+    def _batch_rows(self, cfg: ModelConfig, models: dict[str, nn.Module], B: int, sweep: InferenceSweep) -> list[dict]:
+        P, N = sweep.prompt_len, sweep.new_tokens
+        g = torch.Generator().manual_seed(sweep.seed + B)
+        tokens = torch.randint(0, cfg.vocab_size, (B, P + N), generator=g).to(self.device)
+        prompt = tokens[:, :P]
+        common = {"table_id": "G3-T3", "kernel": "", "model": sweep.model, "batch": B, "seq_len": P}
+        case = f"G3-T3/{sweep.model}-b{B}-p{P}"
+        configs = list(models)  # the sweep's, less any that cannot run here
+        cached = [c for c in configs if c != "no_cache"]
+        for c in cached:
+            setup_kv_cache(models[c], B, P + N, dtype=DTYPES[sweep.dtype])
+        token, pos = tokens[:, P:P + 1], torch.tensor([P], device=self.device)
+        decoders = {c: self._decoder(c) for c in cached}
+
+        def prefill_work(c: str) -> Workload:
+            return Workload(fwd=functools.partial(self._call, c, prefill, models[c], prompt), inputs=[])
+
+        def decode_work(c: str) -> Workload:
+            if c == "no_cache":  # the prefix and the new token, all of it again
+                return Workload(fwd=functools.partial(self._call, c, models[c], tokens[:, :P + 1]), inputs=[])
+            return Workload(fwd=functools.partial(self._call, c, decoders[c], models[c], token, pos), inputs=[])
+
+        with torch.no_grad():
+            for c in cached:  # the caches hold the prompt before any decode step is timed
+                self._call(c, prefill, models[c], prompt)
+            pre = {**common, "case_id": f"{case}/prefill", "phase": "prefill"}
+            self.note(f"batch {B}: prefill rounds")
+            rows = side_by_side_rows([(pre, "fwd", {c: functools.partial(prefill_work, c) for c in cached})],
+                                     self.device, keep=cached, rounds=sweep.side_by_side, seed=sweep.seed)
+            dec = {**common, "case_id": f"{case}/decode", "phase": "decode"}
+            paired = "compiled" if "compiled" in configs else None
+            self.note(f"batch {B}: decode rounds (first calls compile the compiled configs' decode step)")
+            rows += side_by_side_rows([(dec, "fwd", {c: functools.partial(decode_work, c) for c in configs})],
+                                      self.device, keep=configs, rounds=sweep.side_by_side,
+                                      seed=sweep.seed, paired=paired)
+            gen = {**common, "case_id": f"{case}/generate", "phase": "generate"}
+            self.note(f"batch {B}: peak memory of a prefill and {N} decode steps, each config")
+            for c in configs:
+                rows.append(peak_row({**gen, "provider": c, "mode": "fwd", "metric": "peak_mem_mb"},
+                                     functools.partial(self._generate, c, models[c], decoders.get(c), tokens, P),
+                                     self.device, 0, f"a prefill and {N} decode steps, over the weights and caches "
+                                     "held before" if c != "no_cache" else f"the last of {N} tokens: the whole "
+                                     f"{P + N} again"))
+                model = models[c]
+                read = weight_bytes(model) + (cache_bytes(model) if c != "no_cache" else 0)
+                rows.append({**dec, "provider": c, "mode": "fwd", "metric": "decode_bytes", "value": read,
+                             "unit": "bytes", "status": "ok", "reason": "weights, and the whole static KV cache"
+                             if c != "no_cache" else "weights (the prefix's activations are recomputed, not read)"})
+        for c in cached:
+            clear_kv_cache(models[c])
+        return rows
+
+    def _decoder(self, config: str):
+        # gpt-fast's decode: one graph for every position, replayed as a CUDA graph (reduce-overhead)
+        return torch.compile(decode_one, mode="reduce-overhead", fullgraph=True) if config in COMPILED else decode_one
+
+    def _generate(self, config: str, model: nn.Module, decode, tokens: Tensor, P: int) -> None:
+        """A prefill of ``tokens[:, :P]`` and a decode step for each token after it; without a cache, the step of
+        the last token (the whole sequence again: the largest)."""
+        with torch.no_grad():
+            if config == "no_cache":
+                self._call(config, model, tokens)
+                return
+            self._call(config, prefill, model, tokens[:, :P])
+            for i in range(P, tokens.shape[1]):
+                self._call(config, decode, model, tokens[:, i:i + 1], torch.tensor([i], device=self.device))
+
+    @staticmethod
+    def _call(config: str, fn, *args):
+        """``fn(*args)`` with SDPA's math backend for ``base`` (the scores materialised), its own dispatch else."""
+        if config in COMPILED:
+            # each call a new step of CUDA-graph trees: without it, compiled decoders called in shuffled order
+            # record a new graph for every order of calls they meet
+            torch.compiler.cudagraph_mark_step_begin()
+        with sdpa_kernel([SDPBackend.MATH]) if config == "base" else contextlib.nullcontext():
+            return fn(*args)
+
+
+
+STUDY = Inference()

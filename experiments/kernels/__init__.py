@@ -1,0 +1,1 @@
+"""The kernels study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

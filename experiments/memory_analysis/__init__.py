@@ -1,0 +1,1 @@
+"""The memory_analysis study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

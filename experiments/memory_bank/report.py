@@ -1,0 +1,208 @@
+"""The memory-bank report (G3-T4), from the results table only (``memory_bank.py``)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import seaborn as sns
+
+from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, figure_link, fmt, guide_figures, judge, knobs, \
+    md_table
+
+GIB = 1024.0  # MiB
+
+
+def guide_context(context: int) -> str | None:
+    """The guide's row for a context of this many tokens ("2K" for 2048), if it has one."""
+    key = f"{context // 1024}K" if context % 1024 == 0 else ""
+    return key if key in guide_figures()["G3-T4"]["figures"] else None
+
+
+# G3-C1's components: (the guide's name, where it is built, what checks it, what measures it); None: not built
+COMPONENTS = [
+    ("memory bank: adaptive compression, slot management (get_memory_stats, reduce_memory_slots)",
+     "models/ltm.py, Transformer", "tests/test_ltm.py", "memory_bank (G3-T4), memory_analysis (G3-T1)"),
+    ("gradient checkpointing granularity (full, selective, every k)", "layers (GradientCheckpointMixin)",
+     "tests/test_checkpointing.py", "checkpointing (G4-T3), memory_analysis (G3-T1)"),
+    ("GradScaler mixed precision (fp16)", "models/train.py, Trainer", "tests/test_train.py", None),
+    ("INT8 engine (weight-only)", "models/quant.py", "tests/test_quant.py",
+     "inference (G3-T3); its loss change: memory_bank (G3-T4)"),
+    ("KV cache (static, and the LTM decoder's segment caches)", "models/generate.py, models/ltm.py",
+     "tests/test_generate.py, tests/test_ltm.py", "inference (G3-T3), memory_bank (G3-T4)"),
+    ("batch processor", "models/serving.py, BatchProcessor", "tests/test_serving.py", None),
+    ("find_optimal_batch_size", "models/serving.py", "tests/test_serving.py", None),
+    ("memory monitor", "BatchProcessor.stats (a GPU's peak a batch), bench/memory.py (any device)",
+     "tests/test_serving.py", "every study's peak-memory rows"),
+    ("throughput tracker (live progress)", "models/serving.py, ThroughputTracker", "tests/test_serving.py", None),
+]
+PARALLEL = "DDP / tensor / pipeline parallelism"
+
+
+def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
+    ok = df[(df["case_id"] != "machine")]
+    memory_md, verdicts = _memory(ok)
+    quality_md = _quality(ok)
+    md = memory_md + quality_md + _figures(ok, out_dir)
+    return [Section("G3-T4", "Memory Bank Performance (memory by context, and the price in quality)", md, verdicts),
+            _components()]
+
+
+def _components() -> Section:
+    """G3-C1: each component the guide lists, where it is built, the tests that check it, the studies that measure
+    it; parallelism is the distributed issue's."""
+    rows = [{"component": name, "built in": where, "checked by": tests, "measured by": measured or "-"}
+            for name, where, tests, measured in COMPONENTS]
+    rows.append({"component": PARALLEL, "built in": "-", "checked by": "-", "measured by": "-"})
+    verdicts = [Verdict("G3-C1", name, "a component", f"built: {where}", "any", "by construction",
+                        f"checked by {tests}" + (f"; measured by {measured}" if measured else ""))
+                for name, where, tests, measured in COMPONENTS]
+    verdicts.append(Verdict("G3-C1", PARALLEL, "a component", "-", "any", "not measured yet",
+                            "torch.distributed under torchrun: the distributed issue (49)"))
+    md = ("Guide 003's components, each where it is built, what checks it (CI, on the CPU) and which study "
+          "measures it.\n\n" + md_table(pd.DataFrame(rows)) + "\n")
+    return Section("G3-C1", "Components (memory bank, checkpointing, mixed precision, INT8, KV cache, serving)", md,
+                   verdicts)
+
+
+def memory_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per target and context: each model's memory at the context (MiB; None where not measured, with the
+    ``<model>_status`` that says why): its forward's peak over the weights plus the state its decoder keeps for the
+    next token, ``math`` and ``fused`` (the standard model's two backends; its KV cache) and ``ltm`` (its
+    segment caches and banks); and the two states alone (``kv_cache``, ``segment_cache``)."""
+    mem = df[df["metric"].isin(["peak_mb", "state_mb"])]
+    out = []
+    for (target, context), frame in mem.groupby(["target", "context"], sort=True):
+        value = {(r.provider, r.metric): (r.value if r.status == "ok" else None) for r in frame.itertuples()}
+        status = {r.provider: r.status for r in frame.itertuples()}
+        cache, state = value.get(("kv_cache", "state_mb")), value.get(("segment_cache", "state_mb"))
+        row = {"target": target, "context": int(context), "hardware": frame["hardware"].iloc[0],
+               "kv_cache": cache, "segment_cache": state}
+        for p, kept_by in (("math", "kv_cache"), ("fused", "kv_cache"), ("ltm", "segment_cache")):
+            peak, kept = value.get((p, "peak_mb")), value.get((kept_by, "state_mb"))
+            row[p] = peak + kept if peak is not None and kept is not None else None
+            row[f"{p}_status"] = status.get(p if peak is None else kept_by, "not measured")
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def _memory(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
+    table = memory_table(df)
+    if table.empty:
+        return "no memory results\n", []
+    guide, cpus, goal = guide_figures()["G3-T4"]["figures"], cpu_targets(df), knobs().ltm_memory_ratio
+
+    def mib(v: float | None, status: str) -> str:
+        return fmt(v) if pd.notna(v) else status
+
+    rows, verdicts = [], []
+    for r in table.itertuples():
+        g = guide.get(guide_context(r.context) or "", {})
+        # a model that did not run is NaN in the table (None in a float column)
+        ratio = {p: getattr(r, p) / r.ltm if pd.notna(getattr(r, p)) and pd.notna(r.ltm) and r.ltm else None
+                 for p in ("math", "fused")}
+        rows.append({"target": r.target, "context": r.context,
+                     "guide: standard GB / LTM GB (ratio)": f"{g['standard_gb']:g} / {g['ltm_gb']:g} "
+                     f"({g['compression']:g}x)" if g else "-",
+                     "standard, math MiB": mib(r.math, r.math_status),
+                     "standard, fused MiB": mib(r.fused, r.fused_status),
+                     "of which KV cache": fmt(r.kv_cache), "LTM MiB": mib(r.ltm, r.ltm_status),
+                     "of which decode state": fmt(r.segment_cache),
+                     "math / LTM": f"{ratio['math']:.1f}x" if ratio["math"] else "-",
+                     "fused / LTM": f"{ratio['fused']:.1f}x" if ratio["fused"] else "-"})
+        if g and ratio["math"]:
+            verdicts.append(Verdict(
+                "G3-T4", f"at {guide_context(r.context)} context the LTM model needs {g['compression']:g}x less "
+                "memory than standard attention", f"{g['compression']:g}x", f"{ratio['math']:.1f}x", r.hardware,
+                judge((ratio["math"], ratio["math"]), (g["compression"], g["compression"]), True,
+                      knobs().guide_ratio_tolerance),
+                "the standard model with SDPA's math backend (the scores in memory, the guide's standard attention): "
+                "its forward's peak plus its KV cache, over the LTM model's peak plus its decode state, same width "
+                "and depth, fresh weights; the guide names no model or batch"))
+        elif g and r.math_status != "ok" and pd.notna(r.ltm):
+            verdicts.append(Verdict(
+                "G3-T4", f"at {guide_context(r.context)} context the LTM model needs {g['compression']:g}x less "
+                "memory than standard attention", f"{g['compression']:g}x", f"standard: {r.math_status}",
+                r.hardware, "not measurable here",
+                f"the standard model with SDPA's math backend did not run at {r.context} tokens on this device "
+                f"({r.math_status}: its scores alone are over the device's memory), so there is no ratio to read"))
+    for target, frame in table.groupby("target", sort=False):
+        last = frame.sort_values("context").iloc[-1]
+        measurable = target not in cpus and last["context"] >= 32768
+        ratio = last["fused"] / last["ltm"] if pd.notna(last["fused"]) and pd.notna(last["ltm"]) and last["ltm"] \
+            else math.nan
+        verdicts.append(Verdict(
+            "G3-T4", f"the LTM model's memory at 32K context at most 1/{goal:g} of the standard model's",
+            f">= {goal:g}x", f"{ratio:.1f}x at {int(last['context'])} tokens" if not math.isnan(ratio) else
+            "not measured", last["hardware"],
+            judge((ratio, ratio), (goal, None), True) if measurable else "not measurable here",
+            "against the standard model with SDPA's fused backends (the stronger peer: its memory grows with the "
+            "context, not its square); each model's forward peak plus the state its decoder keeps"
+            + ("" if measurable else f"; the goal is a GPU's at 32K tokens, this run's longest is "
+               f"{int(last['context'])}")))
+    md = ("Memory at each context, fresh weights, no gradients (`memory_bank.py`): each model's forward peak over "
+          "the weights plus the state its decoder keeps for the next token. The standard model: SDPA's math "
+          "backend (which keeps the scores) and its fused backends, and its KV cache for the context; the LTM "
+          "model: segment by segment, and its decode state after prefilling the context (each layer's segment "
+          "cache and bank, with the bank's keys and values). A status in place of a number says why a model did "
+          "not run (oom: over the device's memory). The guide's figures are for a model and batch it does not name.\n\n" + md_table(pd.DataFrame(rows)) + "\n")
+    return md, verdicts
+
+
+def _quality(df: pd.DataFrame) -> str:
+    """The three presets trained alike: their last training loss and speed, validation loss by context, recall
+    by distance."""
+    q = df[df["metric"].isin(["train_loss", "tokens_per_s", "val_loss", "val_loss_int8", "recall_accuracy"])
+           & (df["status"] == "ok")]
+    if q.empty:
+        return "\nno quality results\n"
+    parts = []
+    for target, frame in q.groupby("target", sort=False):
+        rows = []
+        for role, one in frame.groupby("role", sort=False):
+            train = one[one["metric"] == "train_loss"].sort_values("step")
+            row = {"target": target, "role": role, "model": one["model"].iloc[0],
+                   "last train loss": fmt(train["value"].iloc[-1]) if len(train) else "-",
+                   "tokens/s": fmt(one.loc[one["metric"] == "tokens_per_s", "value"].max())}
+            val = one[(one["metric"] == "val_loss") & one["context"].notna()]
+            int8 = one[one["metric"] == "val_loss_int8"].set_index("context")["value"]
+            for r in val.sort_values("context").itertuples():
+                row[f"val loss @{int(r.context)}"] = fmt(r.value) + (
+                    f" (INT8 {int8[r.context] - r.value:+.4f})" if r.context in int8 else "")
+            for r in one[one["metric"] == "recall_accuracy"].sort_values("distance").itertuples():
+                row[f"recall @{int(r.distance)}"] = f"{r.value:.2f}"
+            rows.append(row)
+        parts.append(md_table(pd.DataFrame(rows)))
+    steps = q.loc[q["metric"] == "train_loss", "step"].max()
+    return ("\nThe price in quality, which the guide never measured: the standard, sliding-window and LTM presets "
+            f"trained from fresh weights on the same bytes of Python's standard library, the same batches, {steps:g} "
+            "steps each (the train stage's loop); validation loss (nats a byte) over held-out windows of each length "
+            "(for the standard model, in brackets: the change with INT8 weight-only linears, `models.quant`, on the "
+            "same windows); "
+            "recall: a line `passkey = \"NNNNN\"` in held-out code and the same line's start a distance later, the "
+            "share of the five digits the model's argmax reads right, teacher-forced (chance: 0.1).\n\n"
+            + "\n\n".join(parts) + "\n")
+
+
+def _figures(df: pd.DataFrame, out_dir: Path) -> str:
+    parts = []
+    table = memory_table(df)
+    if not table.empty:
+        long = table.melt(id_vars=["target", "context"], value_vars=["math", "fused", "ltm"], var_name="model",
+                          value_name="MiB").dropna()
+        if not long.empty:
+            grid = sns.relplot(data=long, x="context", y="MiB", hue="model", col="target", kind="line", marker="o",
+                               height=3.2, facet_kws={"sharey": False})
+            grid.set(xscale="log", yscale="log")
+            grid.figure.suptitle("G3-T4 memory at each context: standard (math, fused) and LTM", y=1.04)
+            parts.append(figure_link(grid.figure, out_dir, "g3_t4_memory.png", "memory by context"))
+    recall = df[(df["metric"] == "recall_accuracy") & (df["status"] == "ok")]
+    if not recall.empty:
+        grid = sns.relplot(data=recall, x="distance", y="value", hue="role", col="target", kind="line", marker="o",
+                           height=3.2)
+        grid.set(xscale="log", ylim=(0, 1))
+        grid.set_axis_labels("distance (bytes)", "digits recalled")
+        grid.figure.suptitle("G3-T4 passkey recall by distance", y=1.04)
+        parts.append(figure_link(grid.figure, out_dir, "g3_t4_recall.png", "recall by distance"))
+    return "\n" + "\n".join(parts)

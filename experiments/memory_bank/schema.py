@@ -1,0 +1,83 @@
+"""The memory_bank study's section: G3-T4's three presets, their memory and their training."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+
+from adaattn_experiments.common.schedule import TrainSchedule
+from adaattn_pipeline.config import ByProfile, check_preset
+from adaattn_pipeline.config import Section as _Section
+
+MEMORY_BANK_ROLES = ("standard", "window", "ltm")
+RECALL_SPAN = 32  # a recall sequence's bytes besides its distance (the key's line, the query), at most
+
+
+class MemoryBankRun(_Section):
+    """G3-T4: a standard decoder, the same with sliding-window attention and the same with an LTM memory bank
+    (``models``: role -> preset). Memory: at each of ``contexts`` tokens (``batch`` sequences, weights in
+    ``dtype``), a forward's peak over the weights (the standard model with SDPA's math backend, the scores in
+    memory, and with its fused ones; the LTM model segment by segment) and the state kept for the next token
+    (the standard model's KV cache, the LTM model's segment caches and banks). Quality: each model trained on ``train``'s schedule
+    (the same text, batches and steps); its validation loss at each of ``eval_contexts``; and a passkey's recall
+    at each of ``recall_distances`` (``recall_trials`` sequences each)."""
+
+    models: dict[Literal[MEMORY_BANK_ROLES], str]  # type: ignore[valid-type]
+    batch: PositiveInt = 1
+    contexts: Annotated[list[PositiveInt], Field(min_length=1)]
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    train: TrainSchedule
+    eval_contexts: Annotated[list[PositiveInt], Field(min_length=1)]
+    recall_distances: Annotated[list[Annotated[int, Field(ge=RECALL_SPAN)]], Field(min_length=1)]
+    recall_trials: PositiveInt = 16
+    seed: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _roles(self) -> "MemoryBankRun":
+        if set(self.models) != set(MEMORY_BANK_ROLES):
+            raise ValueError(f"models needs one preset for each role ({', '.join(MEMORY_BANK_ROLES)}); got "
+                             f"{', '.join(self.models) or 'none'}")
+        for key in ("contexts", "eval_contexts", "recall_distances"):
+            values = getattr(self, key)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{key} must not repeat a value; got {values}")
+        return self
+
+
+class G3T4Section(ByProfile):
+    cpu: MemoryBankRun
+    gpu: MemoryBankRun
+
+
+SECTIONS = {"G3-T4": G3T4Section}
+
+
+def check(params) -> None:
+    for profile in ("cpu", "gpu"):
+        run = getattr(params.g3_t4, profile) if params.g3_t4 else None
+        if run is not None:
+            _check_roles(params, profile, run)
+
+
+def _check_roles(params, profile: str, run: MemoryBankRun) -> None:
+    """G3-T4's three presets: each its role's kind of model, and otherwise the same model."""
+    longest = max(run.train.seq_len, *run.contexts, *run.eval_contexts, max(run.recall_distances) + RECALL_SPAN)
+    for role, name in run.models.items():  # an LTM model's positions count within a segment: any length
+        check_preset(params, f"G3-T4.{profile}", name, 0 if role == "ltm" else longest)
+    cfgs = {role: params.models[name] for role, name in run.models.items()}
+    wrong = {"standard": cfgs["standard"].memory_slots is not None or cfgs["standard"].attention_window is not None,
+             "window": cfgs["window"].attention_window is None,
+             "ltm": cfgs["ltm"].memory_slots is None}
+    needs = {"standard": "no memory_slots and no attention_window", "window": "an attention_window",
+             "ltm": "memory_slots (a memory bank)"}
+    for role, bad in wrong.items():
+        if bad:
+            raise ValueError(f"G3-T4.{profile}.models.{role}: {run.models[role]!r} needs {needs[role]}")
+    shared = ("dim", "n_layers", "n_heads", "kv_heads", "hidden", "positions")
+    for role in ("window", "ltm"):
+        differ = [k for k in shared if getattr(cfgs[role], k) != getattr(cfgs["standard"], k)]
+        if differ:
+            raise ValueError(f"G3-T4.{profile}.models.{role}: {run.models[role]!r} differs from the standard "
+                             f"preset {run.models['standard']!r} in {', '.join(differ)}: the three compare one "
+                             "model with and without its memory")

@@ -1,0 +1,1 @@
+"""The mfu study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

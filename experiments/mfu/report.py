@@ -1,0 +1,112 @@
+"""The MFU report (the model-level goals on G0-T1's training step), from the results table only (``mfu.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, fmt, judge, knobs, md_table
+from adaattn_experiments.common.paired import paired_frame, ratio_text
+
+GB = 2**20 / 1e9  # MiB -> GB
+
+
+def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
+    runs = df[df["case_id"] != "machine"]
+    gemm = df[(df["case_id"] == "machine") & (df["metric"] == "gemm_tflops")].set_index("target")["value"]
+    ratios, cpus = paired_frame(runs), cpu_targets(df)
+    table, verdicts = [], []
+    for (target, case_id), frame in runs.groupby(["target", "case_id"], sort=False):
+        hw, model = frame["hardware"].iloc[0], frame["model"].iloc[0]
+        tokens = int(frame["batch"].iloc[0] * frame["seq_len"].iloc[0])
+        at = frame[frame["status"] == "ok"].set_index(["metric", "provider"])["value"]
+        flops, rate = at.get(("model_flops", "model")), gemm.get(target)
+        step = frame[frame["metric"] == "side_by_side_ms"]
+        best, best_mfu, bf16_mfu = None, None, None
+        for _, row in step.iterrows():
+            config, ms = row["provider"], row["value"] if row["status"] == "ok" else None
+            mfu = flops / (ms / 1e3) / (rate * 1e12) if ms and flops and rate else None
+            r = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id) & (ratios["vs"] == config)]
+            r = r.iloc[0].to_dict() if len(r) else None
+            if mfu is not None and (best_mfu is None or mfu > best_mfu):
+                best, best_mfu = config, mfu
+            if mfu is not None and config != "fp8" and (bf16_mfu is None or mfu > bf16_mfu[1]):
+                bf16_mfu = config, mfu
+            table.append({"target": target, "model": model, "B x S": f"{int(frame['batch'].iloc[0])} x "
+                          f"{int(frame['seq_len'].iloc[0])}", "config": config, "step ms": fmt(ms),
+                          "tokens/s": fmt(tokens / ms * 1e3 if ms else None), "MFU (measured GEMM)": fmt(mfu),
+                          "speedup over plain": ratio_text(r) if r else "-",
+                          "first step s": fmt(at.get(("first_step_s", config))),
+                          "graphs compiled": fmt(at.get(("graphs_compiled", config))),
+                          "step peak GB": fmt(at.get(("step_peak_mem_mb", config), float("nan")) * GB),
+                          "note": "" if ms else f"{row['status']}: {row['reason']}"})
+        verdicts += _goals(target, case_id, model, hw, best, best_mfu, rate, ratios, target in cpus, bf16_mfu)
+    md = ("A preset's whole training step (`Trainer.train_step`: forward, loss, backward, clipping, fused AdamW) in "
+          "each config, side by side in shuffled rounds from the same initial weights (median ms). Each config adds "
+          "its setting to the configs above it: `plain` is compiled PyTorch (SDPA, bf16 autocast, TF32, fused "
+          "AdamW, PyTorch's own norm, activation and rotary ops, the loss eager), `kernels` our Triton kernels, "
+          "`loss` the loss compiled too, `fp8` torchao's float8 training on the blocks' linears. "
+          "The blocks are compiled one at a time (one graph every layer shares). MFU: the card's model FLOPs "
+          "(6N + 12 L H D S per token) over the step time, against the bf16 GEMM rate measured at the start of the "
+          "same run; an fp8 config's MFU is on the same bf16 basis (model FLOPs per second), not against an FP8 "
+          "peak. Speedup over plain: plain's step time over the config's, round by round, with its median's 95% "
+          "interval. First step: the config's first step, its compilation included; graphs compiled: the dynamo "
+          "graphs it compiled (a graph an earlier config compiled is reused: the loss config compiles only its "
+          "loss). Step peak: weights, AdamW state and one step's peak over them. FP8 changes the arithmetic: its "
+          "loss over a training run against bf16's is not measured here.\n\n"
+          + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+    return [Section("G0-T1", "MFU goals (training step, compiled, by config)", md, verdicts), _g0_c2(runs)]
+
+
+def _g0_c2(runs: pd.DataFrame) -> Section:
+    """G0-C2, the guide's API: each target's timed steps ran through it (``create_optimized_training_setup``'s
+    model, optimizer and trainer; ``Trainer.train_step``; the compile modes and scopes ``optimize_model`` takes)."""
+    verdicts = []
+    steps = runs[(runs["metric"] == "side_by_side_ms") & (runs["status"] == "ok")]
+    for target, frame in steps.groupby("target", sort=False):
+        ran = ", ".join(f"{m} ({', '.join(dict.fromkeys(f['provider']))})"
+                        for m, f in frame.groupby("model", sort=False))
+        verdicts.append(Verdict(
+            "G0-C2", "create_optimized_training_setup(model, ...) -> (model, optimizer, trainer); "
+            "trainer.train_step(batch, criterion)", "an API", f"every step timed here ran through it: {ran}",
+            frame["hardware"].iloc[0], "by construction",
+            "optimize_model's compile modes (default, reduce-overhead, max-autotune, None) and scopes; the "
+            "trainer's bf16 autocast, TF32, fused AdamW, clipping (docs/models.md)"))
+    md = ("The guide's API (`adaattn.models.train`, docs/models.md): the MFU study builds every config through "
+          "`create_optimized_training_setup` and times `Trainer.train_step`.\n")
+    return Section("G0-C2", "The API (optimize_model, create_optimized_training_setup, train_step)", md, verdicts)
+
+
+def _goals(target: str, case_id: str, model: str, hw: str, best: str | None, mfu: float | None, rate: float | None,
+           ratios: pd.DataFrame, cpu: bool, bf16: tuple[str, float] | None) -> list[Verdict]:
+    """The preset's MFU goal on its best config, and its speedup goal on the best config's ratio to plain;
+    where the best is fp8, the note gives the best bf16 config's MFU beside it."""
+    out = []
+    goal = knobs().mfu_goals.get(model)
+    if goal is not None:
+        claim = f"{model}: at least {goal:.0%} MFU against the measured bf16 GEMM rate"
+        if cpu:
+            out.append(Verdict("G0-T1", claim, f">= {goal:.0%}", fmt(mfu), hw, "not measurable here",
+                               "a GPU goal (bf16 tensor cores)"))
+        elif mfu is not None:
+            also = f"; the best bf16 config, {bf16[0]}: {bf16[1]:.1%}" if best == "fp8" and bf16 else ""
+            out.append(Verdict("G0-T1", claim, f">= {goal:.0%}", f"{mfu:.1%} ({best})", hw,
+                               judge((mfu, mfu), (goal, None), higher_is_better=True),
+                               f"the best config, {best}, of one run; GEMM rate {rate:.0f} TFLOP/s{also}"))
+    speedup = knobs().mfu_speedup.get(model)
+    if speedup is not None:
+        claim = f"{model}: the zoo's best config at least {speedup:g}x plain compiled PyTorch's tokens/s"
+        r = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id) & (ratios["vs"] == best)]
+        if cpu:
+            out.append(Verdict("G0-T1", claim, f">= {speedup:g}x", "-", hw, "not measurable here",
+                               "a GPU goal (our kernels and FP8 GEMMs run on the GPU)"))
+        elif best == "plain" or len(r) == 0:
+            out.append(Verdict("G0-T1", claim, f">= {speedup:g}x", "1x (plain is the fastest)", hw,
+                               "worse than claimed", "no config beat plain compiled PyTorch in the rounds"))
+        else:
+            r = r.iloc[0].to_dict()
+            out.append(Verdict("G0-T1", claim, f">= {speedup:g}x", f"{ratio_text(r)} ({best})", hw,
+                               judge((r["ci_low"], r["ci_high"]), (speedup, None), higher_is_better=True),
+                               f"plain's step time over {best}'s, round by round"))
+    return out

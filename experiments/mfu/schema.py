@@ -1,0 +1,58 @@
+"""The mfu study's section: each case's training step in each config."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+
+from adaattn_pipeline.config import ByProfile, Rounds, check_preset
+from adaattn_pipeline.config import Section as _Section
+
+MFU_CONFIGS = ("plain", "kernels", "loss", "fp8")
+
+
+class MfuCase(_Section):
+    """One model's training step at one shape, in each of ``configs`` (``plain`` first: the baseline; each config
+    adds its setting to every config listed before it)."""
+
+    model: str
+    batch: PositiveInt
+    seq_len: PositiveInt
+    configs: Annotated[list[Literal[MFU_CONFIGS]], Field(min_length=1)] = ["plain", "kernels"]  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _plain_first(self) -> MfuCase:
+        if self.configs[0] != "plain" or len(set(self.configs)) != len(self.configs):
+            raise ValueError(f"configs must start with 'plain' (the baseline) and not repeat one; got "
+                             f"{', '.join(self.configs)} (allowed: {', '.join(MFU_CONFIGS)})")
+        return self
+
+
+class MfuSweep(_Section):
+    """The MFU goals: each case's training step (``Trainer.train_step``) in each config, side by side: ``plain``
+    (compiled PyTorch: SDPA, bf16 autocast, TF32, fused AdamW, PyTorch's norm and activation ops for inductor to
+    fuse, the loss eager), ``kernels`` (our Triton kernels), ``loss`` (the loss compiled too) and ``fp8``
+    (torchao's float8 training on the blocks' linears), each config adding its setting to those listed before
+    it. Each case's models are resident together: their weights and AdamW state must fit."""
+
+    cases: Annotated[list[MfuCase], Field(min_length=1)]
+    compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    compile_scope: Literal["model", "blocks"] = "blocks"  # blocks: one compiled block shared by every layer
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    side_by_side: Rounds
+    seed: NonNegativeInt = 0
+
+
+class MfuSection(ByProfile):
+    cpu: MfuSweep
+    gpu: MfuSweep
+
+
+SECTIONS = {"mfu": MfuSection}
+
+
+def check(params) -> None:
+    for profile in ("cpu", "gpu"):
+        for i, case in enumerate(getattr(params.mfu, profile).cases if params.mfu else ()):
+            check_preset(params, f"mfu.{profile}.cases[{i}]", case.model, case.seq_len)

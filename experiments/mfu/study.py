@@ -1,0 +1,199 @@
+"""The MFU study (the model-level goals on G0-T1's training step): a preset's whole training step
+(``Trainer.train_step``: forward, loss, backward, clipping, fused AdamW) at the goal's shape, in each config,
+side by side in shuffled rounds, every config from the same initial weights. Each config adds its setting to
+every config listed before it:
+
+- ``plain``: compiled PyTorch, SDPA attention, bf16 autocast over fp32 weights, TF32, fused AdamW, PyTorch's
+  own norm, activation and rotary ops (our Triton kernels off), which inductor fuses with their neighbours, and
+  the loss eager (``torch.compile(model)``, as a user writes it);
+- ``kernels``: our Triton kernels (RMSNorm, SwiGLU, rotary) as custom ops in the compiled graph;
+- ``loss``: the loss compiled too (the fp32 cast and cross-entropy fused over the logits);
+- ``fp8``: torchao's float8 training (tensorwise scales) on the blocks' linears; the LM head stays bf16.
+
+The blocks are compiled one at a time (``compile_scope``: every layer shares the one graph) and dynamo is told
+to fail rather than fall back to eager past its recompile limit, so a config is compiled or is an error row; each
+config's first step counts the graphs it compiled (our kernels' switch is a guard: a config with them on
+compiles its own). MFU: the card's model FLOPs per step over the step time, against the bf16 GEMM rate
+measured at the start of the same run; each config's first step (its compile) in seconds; each step's peak
+memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch._dynamo.utils import counters
+
+from adaattn_pipeline.bench.harness import Workload
+from adaattn.timing.memory import peak_row
+from adaattn_pipeline.bench.study import StudyDef
+from adaattn_pipeline.bench.side_by_side import side_by_side_rows
+from adaattn_pipeline.config import Params, Target
+from adaattn_experiments.mfu.schema import MfuCase, MfuSweep
+from adaattn.kernels import set_use_triton_kernels
+from adaattn.kernels import runtime
+from adaattn.kernels.runtime import get_kernel_status
+from adaattn.models.config import ModelConfig
+from adaattn.models.transformer import build_model
+from adaattn.models.card import flops_per_token, param_counts
+from adaattn.models.train import Trainer, create_optimized_training_setup
+
+
+@contextlib.contextmanager
+def triton_kernels(on: bool) -> Iterator[None]:
+    """Our kernels on or off inside, restored after. Compiled blocks read the switch while tracing, and dynamo
+    guards on it: a config's step finds its own graph, whichever ran before it."""
+    before = runtime._use_triton
+    set_use_triton_kernels(on)
+    try:
+        yield
+    finally:
+        set_use_triton_kernels(before)
+
+
+def covered(cfg: ModelConfig) -> bool:
+    """Whether the preset runs an op our kernels cover (RMSNorm, SwiGLU, rotary)."""
+    return cfg.norm == "rmsnorm" or cfg.mlp == "swiglu" or cfg.positions != "learned"
+
+
+def fp8_unavailable(device: str) -> str | None:
+    if device != "cuda":
+        return "float8 GEMMs need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper)"
+    if torch.cuda.get_device_capability() < (8, 9):
+        return f"float8 GEMMs need compute capability 8.9 or newer; this GPU is {torch.cuda.get_device_capability()}"
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - the import error is the reason
+        return f"torchao.float8 not importable: {type(err).__name__}: {err}"[:300]
+    return None
+
+
+def to_float8(model: nn.Module) -> nn.Module:
+    """The blocks' linears as torchao Float8Linear (tensorwise scales); the LM head and any linear whose sides
+    are not multiples of 16 (an FP8 GEMM's) stay as they are."""
+    from torchao.float8 import convert_to_float8_training
+
+    def blocks_only(mod: nn.Module, fqn: str) -> bool:
+        return fqn.startswith("blocks.") and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+    return convert_to_float8_training(model, module_filter_fn=blocks_only)
+
+
+class Mfu(StudyDef):
+    name = "mfu"
+    table_ids = ("G0-T1", "G0-C2")
+    config_columns = ["model", "batch", "seq_len"]
+    sections = ("mfu",)
+
+    def presets(self, raw: dict, section: str, profile: str) -> list[str]:
+        return [c["model"] for c in raw[section][profile]["cases"]]
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+
+    def bind(self, device: str) -> Mfu:
+        return Mfu(device)
+
+    def cases(self, params: Params, target: Target) -> list:
+        return []  # whole training steps, side by side: extra_rows measures them
+
+    def unavailable(self, config: str, cfg: ModelConfig) -> str | None:
+        if config == "fp8" and fp8_unavailable(self.device):
+            return fp8_unavailable(self.device)
+        if config in ("kernels", "fp8") and not get_kernel_status()["use_triton_kernels"]:
+            return f"our Triton kernels do not run here: {get_kernel_status()['reason']}"
+        if config == "kernels" and not covered(cfg):
+            return "the preset runs no op our kernels cover (its norm, MLP and positions are PyTorch's)"
+        return None
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        sweep: MfuSweep = getattr(params.mfu, target.profile)
+        rows: list[dict] = []
+        # past its recompile limit dynamo would run a block eager, silently: an error row instead
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for case in sweep.cases:
+                rows += self._case_rows(params.models[case.model], case, sweep)
+                torch._dynamo.reset()  # the next preset's blocks trace afresh
+        return rows
+
+    def _case_rows(self, cfg: ModelConfig, case: MfuCase, sweep: MfuSweep) -> list[dict]:
+        B, S = case.batch, case.seq_len
+        base = {"table_id": "G0-T1", "case_id": f"mfu/{case.model}-b{B}-s{S}", "kernel": "", "model": case.model,
+                "batch": B, "seq_len": S}
+        rows, live = [], []
+        for config in case.configs:
+            why = self.unavailable(config, cfg)
+            if why is None:
+                live.append(config)
+            else:
+                rows.append({**base, "provider": config, "mode": "step", "metric": "side_by_side_ms", "value": None,
+                             "unit": "ms", "status": "unavailable", "reason": why})
+        g = torch.Generator().manual_seed(sweep.seed)
+        tokens = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g).to(self.device)
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        torch.manual_seed(sweep.seed)
+        initial = copy.deepcopy(build_model(cfg).state_dict())  # every config from the same weights
+        trainers: dict[str, Trainer] = {}
+        compile_s: dict[str, tuple[float, int]] = {}
+
+        settings = {c: set(live[: live.index(c) + 1]) for c in live}  # an unavailable config adds nothing
+
+        def step(config: str) -> Workload:
+            if config not in trainers:
+                trainers[config] = self._trainer(cfg, settings[config], initial, sweep)
+                graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
+                self._step(trainers[config], settings[config], batch)  # the first step compiles
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                compile_s[config] = time.perf_counter() - t0, counters["stats"]["unique_graphs"] - graphs
+            return Workload(fwd=functools.partial(self._step, trainers[config], settings[config], batch), inputs=[])
+
+        rows += side_by_side_rows([(base, "step", {c: functools.partial(step, c) for c in live})], self.device,
+                                  keep=live, rounds=sweep.side_by_side, seed=sweep.seed,
+                                  paired="plain" if "plain" in live and len(live) > 1 else None)
+        for config, (seconds, graphs) in compile_s.items():
+            rows.append({**base, "provider": config, "mode": "step", "metric": "first_step_s", "value": seconds,
+                         "unit": "s", "status": "ok", "reason": f"the first step: {sweep.compile_scope}-scope "
+                         f"torch.compile ({sweep.compile_mode}) and the step itself"})
+            # a config that compiled no graph of its own ran another's (kernels on or off): the test of the switch
+            rows.append({**base, "provider": config, "mode": "step", "metric": "graphs_compiled", "value": graphs,
+                         "unit": "graphs", "status": "ok", "reason": "dynamo graphs its first step compiled"})
+        for config, trainer in trainers.items():
+            rows.append(peak_row({**base, "provider": config, "mode": "step", "metric": "step_peak_mem_mb"},
+                                 functools.partial(self._step, trainer, settings[config], batch), self.device,
+                                 trainer.held_bytes(), "weights and optimizer state held, and one step's peak over "
+                                 "them"))
+        with torch.device("meta"):
+            meta = build_model(cfg)
+        per_token = flops_per_token(cfg, param_counts(meta), S)["train"]
+        rows.append({**base, "provider": "model", "mode": "step", "metric": "model_flops", "value": per_token * B * S,
+                     "unit": "FLOP", "status": "ok", "reason": "6N + 12 L H D S per token (the model's card)"})
+        trainers.clear()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        return rows
+
+    def _trainer(self, cfg: ModelConfig, on: set[str], initial: dict[str, Tensor], sweep: MfuSweep) -> Trainer:
+        model = build_model(cfg, device=self.device)
+        model.load_state_dict(initial)
+        if "fp8" in on:
+            model = to_float8(model)
+        _, _, trainer = create_optimized_training_setup(
+            model, compile_mode=sweep.compile_mode, compile_scope=sweep.compile_scope, dtype=sweep.dtype,
+            device=self.device, tf32=True, compile_loss="loss" in on)
+        return trainer
+
+    @staticmethod
+    def _step(trainer: Trainer, on: set[str], batch: tuple[Tensor, Tensor]) -> dict:
+        with triton_kernels("kernels" in on):
+            return trainer.train_step(batch)
+
+
+
+STUDY = Mfu()

@@ -1,0 +1,1 @@
+"""The precision study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

@@ -1,0 +1,193 @@
+"""Precision study: regenerates G2-T3 ("Precision Mode Accuracy") and G2-T2's precision line
+("1.5-2x speedup with FP16/BF16").
+
+Providers are precisions: fp32, tf32 (fp32 tensors, ``torch.set_float32_matmul_precision("high")``
+around each call: TF32 tensor cores for fp32 matmuls; CUDA only), fp16, bf16. Two ops:
+
+- ``attention``: ``F.scaled_dot_product_attention`` (PyTorch's own backend choice) on (B, H, S, D);
+- ``block``: a pre-norm transformer block, LayerNorm -> AdaAttention (precision fixed to the
+  provider's, ``rank_mode="full"``) -> residual -> LayerNorm -> MLP (4E, GELU) -> residual, its
+  parameters and input in the provider's dtype. Its attention backend is the kernel manager's choice
+  per signature (``manager_ranking`` rows; the report names it beside each row): the block's memory
+  is that backend's.
+
+Inputs: N(0, 1), and with outliers: N(0, 1) + N(0, outlier_std^2) x Bernoulli(outlier_prob)
+(params.yaml). Every provider starts from the same fp32 draw, cast. Accuracy (MSE, relative L1
+and L2, cosine similarity) is against float64 on the first batch element; fp32's own error is
+the floor the others are read against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from adaattn.attention.ada import AdaAttention
+from adaattn.attention.kernel_manager import AttentionKernelManager
+from adaattn.attention.reference import attention_ref
+from adaattn_pipeline.bench.harness import Case, Workload
+from adaattn_pipeline.bench.study import StudyDef
+from adaattn_pipeline.config import Params, Target
+from adaattn_experiments.common.modules import manager_rows, module_reference
+
+DTYPE_OF = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """TF32 for fp32 matmuls inside (``tf32``); the default ("highest") otherwise."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block around AdaAttention; ``reference`` runs it in float64."""
+
+    def __init__(self, embed_dim: int, heads: int, precision: str, manager: AttentionKernelManager, device: str):
+        super().__init__()
+        mode = "fp32" if precision == "tf32" else precision
+        self.norm1, self.norm2 = nn.LayerNorm(embed_dim, device=device), nn.LayerNorm(embed_dim, device=device)
+        self.attn = AdaAttention(embed_dim, heads, precision_mode=mode, rank_mode="full", kernel_manager=manager,
+                                 device=device)
+        self.mlp = nn.Sequential(nn.Linear(embed_dim, 4 * embed_dim, device=device), nn.GELU(),
+                                 nn.Linear(4 * embed_dim, embed_dim, device=device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The same block in float64 (attention through the chunked float64 reference)."""
+        def ln(m: nn.LayerNorm, t: Tensor) -> Tensor:
+            return F.layer_norm(t, m.normalized_shape, m.weight.double(), m.bias.double(), m.eps)
+
+        def lin(m: nn.Linear, t: Tensor) -> Tensor:
+            return F.linear(t, m.weight.double(), m.bias.double())
+
+        x = x.double()
+        h = ln(self.norm1, x)
+        mha = nn.MultiheadAttention(self.attn.embed_dim, self.attn.num_heads, batch_first=True, device=x.device)
+        mha.load_state_dict(self.attn.state_dict())
+        x = x + module_reference(mha, h, causal=False)
+        return x + lin(self.mlp[2], F.gelu(lin(self.mlp[0], ln(self.norm2, x))))
+
+
+class PrecisionStudy(StudyDef):
+    name = "precision"
+    table_ids = ("G2-T3",)  # and G2-T2's precision line, in the G2-T3 section
+    config_columns = ["op", "inputs", "batch", "seq_len", "embed_dim", "heads", "head_dim", "dtype"]
+    sections = ("G2-T3",)
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self._inputs: tuple[str, Tensor | tuple[Tensor, ...]] | None = None
+        self._blocks: dict[str, Block] = {}
+        # one manager for the study: the block's backend is chosen at its first call per precision and mode, and
+        # a block's peak memory is its backend's (``manager_ranking`` rows; the report names it)
+        self._manager = AttentionKernelManager()
+        self._section = None
+
+    def bind(self, device: str) -> PrecisionStudy:
+        return PrecisionStudy(device)
+
+    def cases(self, params: Params, target: Target) -> list[Case]:
+        sec = getattr(params.g2_t3, target.profile)
+        self._section = sec
+        out = []
+        for op in sec.ops:
+            for inputs in sec.inputs:
+                cfg = {"op": op, "inputs": inputs, "batch": sec.batch, "seq_len": sec.seq_len,
+                       "embed_dim": sec.embed_dim, "heads": sec.heads, "head_dim": sec.embed_dim // sec.heads,
+                       "dtype": "fp32"}  # the inputs' master dtype; each provider casts
+                out.append(Case(case_id=f"G2-T3/{op}-{inputs}-b{sec.batch}-s{sec.seq_len}-e{sec.embed_dim}",
+                                table_id="G2-T3", config=cfg, providers=tuple(sec.precisions), modes=tuple(sec.modes)))
+        return out
+
+    def _draw(self, shape: tuple[int, ...], outliers: bool) -> Tensor:
+        x = torch.randn(shape, device=self.device)
+        if outliers:
+            sec = self._section
+            hit = torch.rand(shape, device=self.device) < sec.outlier_prob
+            x = x + hit * torch.randn(shape, device=self.device) * sec.outlier_std
+        return x
+
+    def inputs(self, case: Case) -> Tensor | tuple[Tensor, ...]:
+        if self._inputs is None or self._inputs[0] != case.case_id:
+            self._inputs = None
+            c = case.config
+            outliers = c["inputs"] == "outliers"
+            if c["op"] == "attention":
+                shape = (c["batch"], c["heads"], c["seq_len"], c["head_dim"])
+                x: Any = tuple(self._draw(shape, outliers) for _ in range(3))
+            else:
+                x = self._draw((c["batch"], c["seq_len"], c["embed_dim"]), outliers)
+            self._inputs = (case.case_id, x)
+        return self._inputs[1]
+
+    def _block(self, case: Case) -> Block:
+        c = case.config
+        if case.case_id not in self._blocks:
+            self._blocks = {}  # one case's block at a time
+            torch.manual_seed(0)
+            self._blocks[case.case_id] = Block(c["embed_dim"], c["heads"], "fp32", self._manager, self.device)
+        return self._blocks[case.case_id]
+
+    def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
+        c = case.config
+        dtype = DTYPE_OF[provider]
+        if c["op"] == "attention":
+            q, k, v = (t.to(dtype, copy=True).requires_grad_(requires_grad) for t in self.inputs(case))
+
+            def fn() -> Tensor:
+                with matmul_precision(provider):
+                    return F.scaled_dot_product_attention(q, k, v)
+
+            leaves = [q, k, v]
+            flops = 4 * c["batch"] * c["heads"] * c["seq_len"] ** 2 * c["head_dim"]
+        else:
+            master = self._block(case)
+            block = Block(c["embed_dim"], c["heads"], provider, self._manager, self.device)
+            block.load_state_dict(master.state_dict())
+            block.to(dtype)
+            x = self.inputs(case).to(dtype, copy=True).requires_grad_(requires_grad)
+
+            def fn() -> Tensor:
+                with matmul_precision(provider):
+                    return block(x)
+
+            leaves = [x, *block.parameters()] if requires_grad else [x]
+            B, S, E = c["batch"], c["seq_len"], c["embed_dim"]
+            flops = 2 * B * S * E * 4 * E + 4 * B * S * S * E + 2 * B * S * E * 8 * E
+        return Workload(fwd=fn, inputs=leaves, flops_fwd=flops, to_reference_layout=lambda o: o[:1])
+
+    def reference(self, case: Case) -> Tensor:
+        if case.config["op"] == "attention":
+            return attention_ref(*(t[:1] for t in self.inputs(case)))
+        return self._block(case).reference(self.inputs(case)[:1])
+
+    def unavailable(self, provider: str, device: str) -> str | None:
+        if provider == "tf32" and device != "cuda":
+            return "TF32 is a tensor-core mode of NVIDIA GPUs (Ampere and newer); a CPU has none"
+        if provider == "tf32" and torch.cuda.get_device_capability() < (8, 0):
+            return "TF32 needs compute capability 8.0 or newer"
+        return None
+
+    def has_backward(self, provider: str) -> bool:
+        return True
+
+    def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        """The block's kernel manager: its ranking per signature (precision, grad mode), fastest first."""
+        return manager_rows(self._manager, "G2-T3", "block")
+
+
+
+STUDY = PrecisionStudy()

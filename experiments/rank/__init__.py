@@ -1,0 +1,1 @@
+"""The rank study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

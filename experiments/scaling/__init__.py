@@ -1,0 +1,1 @@
+"""The scaling study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

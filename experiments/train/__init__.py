@@ -1,0 +1,1 @@
+"""The train study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

@@ -1,0 +1,1 @@
+"""The training study (`study.py`, `schema.py`, `report.py`, `report.md`)."""

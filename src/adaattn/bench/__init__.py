@@ -1,1 +1,0 @@
-"""The one benchmark harness: timing, peak memory, accuracy, roofline units, results."""

@@ -1,0 +1,195 @@
+"""Shared pieces of every study's report: guide figures, verdicts, provenance, fixed styling."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+import yaml  # noqa: E402
+
+from adaattn.attention.providers import PROVIDERS  # noqa: E402
+
+# The one verdict rule (``judge``; each verdict defined in docs/methods.md, "Verdicts")
+VERDICTS = ("holds", "better than claimed", "worse than claimed", "inconclusive", "not measurable here",
+            "by construction", "not measured yet")
+# What the report writes in place of a verdict whose results are stale (their params or code changed since they
+# were measured): "stale: re-measure on H100". It is no verdict: nothing counts it (``is_stale``).
+STALE = "stale: re-measure on "
+
+
+def is_stale(verdict: str) -> bool:
+    return verdict.startswith(STALE)
+
+# Fixed provider order and colours across every figure.
+PROVIDER_ORDER = list(PROVIDERS)
+PROVIDER_COLORS = dict(zip(PROVIDER_ORDER, sns.color_palette("tab10", len(PROVIDER_ORDER)), strict=True))
+
+
+@functools.cache
+def guide_figures() -> dict[str, Any]:
+    text = resources.files("adaattn_pipeline.report").joinpath("guide_figures.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    table_id: str
+    claim: str
+    guide: str  # the guide's figure, as text
+    measured: str  # what we measured, as text
+    hardware: str
+    verdict: str  # one of VERDICTS
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS and not is_stale(self.verdict):
+            raise ValueError(f"verdict {self.verdict!r}; allowed: {VERDICTS}")
+
+
+_knobs: list = []  # the verdicts section the reports are rendered under (render_all sets it)
+
+
+def knobs():
+    """The ``verdicts`` section of the params the reports are rendered under (its defaults outside ``use_knobs``)."""
+    from adaattn_pipeline.config import Verdicts
+
+    return _knobs[-1] if _knobs else Verdicts()
+
+
+@contextlib.contextmanager
+def use_knobs(verdicts):
+    _knobs.append(verdicts)
+    try:
+        yield
+    finally:
+        _knobs.pop()
+
+
+def cpu_targets(df: pd.DataFrame) -> set[str]:
+    """The targets whose results were measured without CUDA (their rows have no CUDA version)."""
+    cuda = df["cuda"] if "cuda" in df else pd.Series(float("nan"), index=df.index)
+    return set(df.loc[cuda.isna(), "target"]) - set(df.loc[cuda.notna(), "target"])
+
+
+def judge(measured: tuple[float, float], band: tuple[float | None, float | None], higher_is_better: bool = True,
+          tolerance: float = 0.0) -> str:
+    """The one verdict rule: the measured interval (a median's confidence interval; one reading is an interval of
+    one point) against the claim's band widened by ``tolerance`` (a fraction each way; None: that side open, so a
+    bound is a band open on one side). Inside: holds; wholly on the better side: better than claimed; wholly on the
+    worse side: worse than claimed; across an edge: inconclusive."""
+    lo, hi = measured
+    if math.isnan(lo) or math.isnan(hi):
+        return "not measured yet"
+    c_lo = -math.inf if band[0] is None else band[0] * (1 - tolerance)
+    c_hi = math.inf if band[1] is None else band[1] * (1 + tolerance)
+    if c_lo <= lo and hi <= c_hi:
+        return "holds"
+    if lo > c_hi or hi < c_lo:
+        return "better than claimed" if (lo > c_hi) == higher_is_better else "worse than claimed"
+    return "inconclusive"
+
+
+def median_interval(values: Iterable[float]) -> tuple[float, float, float]:
+    """(median, low, high) of a claim's readings over its cases, what ``judge`` reads where a claim spans a sweep:
+    the median's distribution-free 95% confidence interval, or the readings' range where they are too few for one
+    (5 or fewer; one reading is an interval of one point)."""
+    from adaattn.timing.rounds import median_ci
+
+    v = sorted(x for x in values if not math.isnan(x))
+    if not v:
+        return math.nan, math.nan, math.nan
+    lo, hi = median_ci(v)
+    if math.isinf(lo) or math.isinf(hi):
+        lo, hi = v[0], v[-1]
+    return float(pd.Series(v).median()), lo, hi
+
+
+def interval_text(median: float, lo: float, hi: float, unit: str = "x", digits: int = 3) -> str:
+    return f"median {median:.{digits}g}{unit}" + ("" if lo == hi else f" (CI {lo:.{digits}g}-{hi:.{digits}g})")
+
+
+@dataclass
+class Section:
+    """What a study renders for one table id: markdown (with figure links) and verdicts."""
+
+    table_id: str
+    title: str
+    markdown: str
+    verdicts: list[Verdict] = field(default_factory=list)
+
+
+def md_table(frame: pd.DataFrame) -> str:
+    return frame.to_markdown(index=False, floatfmt=".4g")
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    if x is None or pd.isna(x):
+        return "-"
+    return f"{x:.{digits}g}"
+
+
+def provenance_table(df: pd.DataFrame, stale: dict[str, str]) -> str:
+    """One line per target: hardware, software, commit, code and params hashes, and whether it is stale (why)."""
+    cols = ["target", "hardware", "hardware_count", "driver", "cuda", "cudnn", "torch", "triton", "python",
+            "git_commit", "git_dirty", "code_hash", "params_hash", "measured_at"]
+    prov = df[cols].drop_duplicates("target").copy().astype(object)
+    prov = prov.where(prov.notna(), "-")
+    for col in ("cuda", "cudnn", "hardware_count"):  # read back as floats (CPU rows are empty)
+        prov[col] = prov[col].map(lambda v: v if isinstance(v, str) else f"{v:g}")
+    prov["git_commit"] = prov["git_commit"].map(
+        lambda c: c[:10] if c != "unknown" else "unknown (no git history on that machine; see code_hash)")
+
+    prov["status"] = prov["target"].map(lambda t: f"STALE: {stale[t]}" if t in stale else "current")
+    return md_table(prov)
+
+
+def one_point_table(frame: pd.DataFrame, x: str, by: list[str], title: str) -> str | None:
+    """A sweep whose ``x`` holds one value is a table, not a figure of lone points: its markdown (``by`` columns
+    beside ``x`` and the value), or None where the sweep has two values or more."""
+    if frame[x].nunique() > 1:
+        return None
+    cols = [c for c in (x, *by) if c in frame]
+    table = frame[[*cols, "value"]].sort_values(cols).assign(value=frame["value"].map(fmt))
+    return f"{title} (one point: a table, not a figure)\n\n{md_table(table)}\n"
+
+
+_drawing = [True]
+
+
+@contextlib.contextmanager
+def figures_off():
+    """Render without saving figures (the report's second pass over only current results reads its verdicts)."""
+    _drawing.append(False)
+    try:
+        yield
+    finally:
+        _drawing.pop()
+
+
+def save_figure(fig: plt.Figure, path: Path) -> None:
+    if not _drawing[-1]:
+        plt.close(fig)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # no Software/date metadata: identical inputs give byte-identical PNGs
+    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+
+
+def figure_link(fig: plt.Figure, out_dir: Path, name: str, alt: str) -> str:
+    """Save ``fig`` as ``out_dir/name`` (``save_figure``) and return the report's markdown line for it."""
+    save_figure(fig, out_dir / name)
+    plt.close("all")  # a seaborn grid's other figures too
+    return f"![{alt}]({out_dir.name}/{name})\n"
