@@ -59,10 +59,11 @@ def test_a_report_opens_with_its_verdicts_and_the_index_marks_stale_results(tmp_
     changed["G2-T1"]["cpu"]["embed_dim"] += 64  # the results were measured at another width
     report, index = _render(tmp_path / "changed", changed, current=raw)
     (row,) = [line for line in index.splitlines() if line.startswith("| G2-T1 ")]
-    assert "STALE (no verdict): cpu_baseline@cpu, re-measure on the CPU: its params changed" in row, row
+    assert "STALE, no verdict: cpu_baseline@cpu" in row, row
     assert "| table only |" in row  # its verdicts are not counted
     assert json.loads((tmp_path / "changed" / "metrics.json").read_text()) == {}
     assert "stale: re-measure on the CPU" in report and "**Stale results**" in report
+    assert "`cpu`: re-measure on the CPU: measured under other params than today's" in report
 
 
 def test_a_verdict_too_long_for_a_cell_is_written_whole_in_its_note():
@@ -150,11 +151,11 @@ def test_a_stale_target_casts_no_verdict_and_the_current_ones_stand(tmp_path):
     both, one = verdicts["all"], verdicts["h200"]
     mine = one.hardware.str.contains(h200, regex=False)
     assert mine.any() and one[mine].verdict.str.startswith("stale: re-measure on H200").all()
-    assert "code changed" in one[mine].reason.iloc[0]
+    assert "measured under other code than today's" in one[mine].reason.iloc[0]
     others = both[~both.hardware.str.contains(h200, regex=False)]
     assert len(others) and set(map(tuple, others.values)) <= set(map(tuple, one[~mine].values))
     counted = sum(n for c in verdicts["h200/metrics"].values() for n in c.values())
     assert counted == (~one.verdict.str.startswith("stale")).sum() < len(one)
-    assert verdicts["h200/stale"] == {"attention_backends": {"h200": "re-measure on H200: its code changed since "
-                                                                     "it was measured"}}
+    assert verdicts["h200/stale"] == {"attention_backends": {"h200": "re-measure on H200: measured under other code "
+                                                                     "than today's"}}
     assert verdicts["all/stale"] == {}

@@ -41,9 +41,9 @@ def staleness(study: Any, params: Params, raw: dict, df: pd.DataFrame) -> dict[s
         changed = [what for what, now, then in (
             ("params", params_hash(param_values(raw, study.param_keys(raw, target))), row["params_hash"]),
             ("code", code, row["code_hash"])) if now != then]
-        if changed:
-            out[target] = (f"re-measure on {params.targets[target].hardware()}: its {' and '.join(changed)} changed "
-                           f"since it was measured")
+        if changed:  # a hash differs: what it covers changed since, or the result predates how it is hashed now
+            out[target] = (f"re-measure on {params.targets[target].hardware()}: measured under other "
+                           f"{' and '.join(changed)} than today's")
     return out
 
 
@@ -200,8 +200,8 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
                                + (_verdict_table(section.verdicts) if section.verdicts else "") + "\n")
         else:
             summary, link = "not measured yet", "-"
-        old = {f"{study}@{t}": why for study, _ in entries for t, why in stale.get(study, {}).items()}
-        flag = "STALE (no verdict): " + "; ".join(f"{k}, {why}" for k, why in sorted(old.items())) if old else "-"
+        old = sorted(f"{study}@{t}" for study, _ in entries for t in stale.get(study, {}))
+        flag = "STALE, no verdict: " + ", ".join(old) + " (why: each study's report)" if old else "-"
         lines.append(f"| {table_id} | {guide['title']} | {guide['holds']} | {guide['hardware']} | {link} | {summary} "
                      f"| {flag} |")
     beyond = [(name, s) for table_id, entries in by_id.items() if table_id not in guide_figures()
