@@ -118,7 +118,7 @@ def test_dvc_repro_on_cpu(repo, tmp_path):
     import pandas as pd
 
     assert "Running stage 'models@g0_small'" in log and "Running stage 'training@h100'" not in log
-    assert "Running stage 'train_results@h100'" not in log and "Running stage 'mfu@cpu'" in log
+    assert "Running stage 'train@h100'" not in log and "Running stage 'mfu@cpu'" in log
     assert "Running stage 'memory_bank@cpu'" in log and "Running stage 'distributed@cpu'" in log
     assert "Running stage 'distributed@h100x2'" not in log
     assert "Running stage 'checkpointing@h100'" not in log and (work / "models/weights/cpu/dense_small.pt").is_file()

@@ -24,11 +24,18 @@ from pathlib import Path
 import torch
 import yaml
 
-from adaattn_pipeline.bench.study import StudyDef
+from adaattn.distributed import allreduce as allreduce_job
+from adaattn.distributed import decode as decode_job
+from adaattn.distributed import train as train_job
 from adaattn.distributed.layout import Layout
-from adaattn_pipeline.config import ConfigError, Params, Target
-from adaattn_experiments.distributed.schema import DistributedRun
 from adaattn.distributed.parallel import check_layout, multicast_off
+from adaattn_experiments.distributed.schema import DistributedRun
+from adaattn_pipeline.bench.study import StudyDef
+from adaattn_pipeline.config import ConfigError, Params, Target
+
+# The torchrun jobs run these modules in processes of their own: named from the imports, so that the import graph
+# (this stage's deps, its results' code hash) reaches what the jobs run
+TRAIN, DECODE, ALLREDUCE = train_job.__name__, decode_job.__name__, allreduce_job.__name__
 
 SINGLE = "single"  # the one-rank baseline of every layout
 
@@ -229,7 +236,7 @@ def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: 
             "--seq-len", str(run.seq_len),
             "--steps", str(run.steps), "--warmup", str(run.warmup), "--dtype", run.dtype,
             "--params", str(params_file), "--trace-steps", str(trace_steps)]
-    job = launch("adaattn.distributed.train", args, ws, run, tmp / f"{model}-{layout}-{ws}.json", layout)
+    job = launch(TRAIN, args, ws, run, tmp / f"{model}-{layout}-{ws}.json", layout)
     if isinstance(job, str):
         return [{"metric": "tokens_per_s", "value": None, "unit": "tokens/s", "status": "error", "reason": job}]
     seconds = max(r["seconds"] for r in job["ranks"])
@@ -257,7 +264,7 @@ def decode_job(batch: int, ws: int, allreduce: str, run: DistributedRun, params_
     args = ["--model", dec.model, "--batch", str(batch), "--prompt-len", str(dec.prompt_len), "--new-tokens",
             str(dec.new_tokens), "--rounds", str(dec.rounds), "--dtype", run.dtype, "--allreduce", allreduce,
             "--compile" if dec.compile else "--no-compile", "--params", str(params_file)]
-    job = launch("adaattn.distributed.decode", args, ws, run,
+    job = launch(DECODE, args, ws, run,
                  tmp / f"decode-{dec.model}-{batch}-{ws}-{allreduce}.json", SINGLE if ws == 1 else "tp")
     if isinstance(job, str):
         return [{"metric": "decode_ms_per_token", "value": None, "unit": "ms", "status": "error", "reason": job}]
@@ -294,7 +301,7 @@ def trace_rows(trace: list[dict] | None) -> list[dict]:
 def allreduce_rows(ws: int, run: DistributedRun, tmp: Path) -> list[dict]:
     args = [a for mib in run.allreduce_mib for a in ("--mib", f"{mib:g}")]
     base = {"table_id": "G3-T2", "kernel": "", "world_size": ws, "mode": "all_reduce", "provider": "all_reduce"}
-    job = launch("adaattn.distributed.allreduce", args, ws, run, tmp / "allreduce.json", what="the all-reduce job")
+    job = launch(ALLREDUCE, args, ws, run, tmp / "allreduce.json", what="the all-reduce job")
     if isinstance(job, str):
         return [{**base, "case_id": f"all_reduce/x{ws}", "metric": "busbw_gbps", "value": None, "unit": "GB/s",
                  "status": "error", "reason": job}]
