@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 
 def test_mlflow_ui_lists_study_runs(repo, tmp_path):
-    assert Path(CHROMIUM).exists(), "Debian's chromium is needed: apt-get install chromium (scripts/install.sh)"
+    assert Path(CHROMIUM).exists(), "Debian's chromium is needed: bash scripts/install.sh --browser"
     from mlflow import MlflowClient
     from playwright.sync_api import sync_playwright
 

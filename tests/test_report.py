@@ -159,3 +159,17 @@ def test_a_stale_target_casts_no_verdict_and_the_current_ones_stand(tmp_path):
     assert verdicts["h200/stale"] == {"attention_backends": {"h200": "re-measure on H200: measured under other code "
                                                                      "than today's"}}
     assert verdicts["all/stale"] == {}
+
+
+def test_every_prose_part_is_used_and_every_used_part_exists():
+    """A study's long prose lives in report.md beside its report.py, a part per ``prose(__file__, "<part>", ...)``."""
+    import re
+
+    from adaattn_pipeline.report.common import _prose_parts
+
+    for name in STUDIES:
+        folder = REPO / "experiments" / name
+        used = set(re.findall(r'prose\(__file__, "([a-z0-9_.]+)"', (folder / "report.py").read_text()))
+        if not used:
+            continue
+        assert set(_prose_parts(folder / "report.md")) == used, name

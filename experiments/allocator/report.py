@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, fmt, judge, md_table
+from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, fmt, judge, md_table, prose
 
 GB = 2**20 / 1e9  # MiB -> GB
 CLAIMS = {"split_512": "optimized memory allocation (512 MB chunks)",
@@ -49,16 +49,6 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                     + f"{setting} against the default allocator, one process each"
                     + ("; the default already allows the whole GPU: the fraction caps a process at 95%"
                        if setting == "fraction_95" else "")))
-    md = ("A preset's eager training step (bf16 autocast, fused AdamW) under each allocator setting, each in a fresh "
-          "process (PyTorch's caching allocator reads `PYTORCH_CUDA_ALLOC_CONF` once): `default`; `split_512` "
-          "(`max_split_size_mb:512`, the guide's 512 MB chunks: blocks over it are never split); `expandable` "
-          "(`expandable_segments:True`: segments grow in place rather than new ones being taken); `fraction_95` "
-          "(`torch.cuda.set_per_process_memory_fraction(0.95)`). The same steps on the same batches, their length "
-          "cycling at a fixed token count (differently shaped tensors, what fragments a caching allocator): the "
-          "median step after the first cycle; the allocator's peaks (allocated: tensors; reserved: taken from the "
-          "driver); cudaMalloc retries (each frees cached blocks and tries again: fragmentation's cost); the "
-          "largest batch a step then fits (doubling, then bisecting). One process after another: times compare "
-          "across processes, not side by side.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results")
-          + "\n")
+    md = prose(__file__, "g0_c1", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G0-C1", "Allocator settings (512 MB chunks, 95% memory fraction, expandable segments)", md,
                     verdicts)]

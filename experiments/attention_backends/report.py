@@ -14,9 +14,7 @@ import seaborn as sns
 from adaattn.attention.providers import BASELINE
 from adaattn_pipeline.report.common import (
     PROVIDER_COLORS, PROVIDER_ORDER, Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge, knobs,
-    md_table,
-    median_interval, one_point_table, save_figure,
-)
+    md_table, median_interval, one_point_table, prose, save_figure)
 
 # Guide names -> our providers, first that ran wins (the guide's "XFormers" is
 # memory_efficient_attention; we pin its operator, see providers.py).
@@ -74,9 +72,8 @@ def _render_g1_t2(runs: pd.DataFrame) -> tuple[Section, list[Verdict]]:
     times = _metric(runs, "G1-T2", "time_ms")
     mem = _metric(runs, "G1-T2", "peak_mem_mb")
     acc = _metric(runs, "G1-T2", "rel_l2")
-    parts = [f"Guide ({guide['hardware']}): B={gcfg['batch']}, S={gcfg['seq_len']}, d_model={gcfg['d_model']}, "
-             f"H={gcfg['heads']}; forward. *peak GB*: allocator peak over one call beyond the q, k, v inputs "
-             "(GB = 1e9 bytes). Guide columns are shown only where the shape is the guide's.\n"]
+    parts = [prose(__file__, "g1_t2", hardware=guide["hardware"], batch=gcfg["batch"], seq_len=gcfg["seq_len"],
+                   d_model=gcfg["d_model"], heads=gcfg["heads"])]
     verdicts: list[Verdict] = []
     relative: list[Verdict] = []
     for (target, dtype), grp in times.groupby(["target", "dtype"], sort=False):
@@ -178,9 +175,7 @@ def _render_g1_t1(runs: pd.DataFrame, out_dir: Path) -> Section:
     guide = guide_figures()["G1-T1"]
     tflops = _metric(runs, "G1-T1", "tflops")
     times = _metric(runs, "G1-T1", "time_ms")
-    parts = ["Sweep: sequence length at a fixed token count (B = tokens / S), d_model fixed, head dim 64 and 128, "
-             "causal and not, forward and forward+backward. Rates use 4*B*H*S^2*D FLOPs (halved if causal; "
-             "backward 2.5x forward).\n"]
+    parts = [prose(__file__, "g1_t1")]
     for (target, dtype), grp in tflops[tflops["status"] == "ok"].groupby(["target", "dtype"], sort=False):
         hw = grp["hardware"].iloc[0]
         providers = [p for p in PROVIDER_ORDER if p in set(grp["provider"])]
@@ -243,9 +238,7 @@ def _render_g0_c1(runs: pd.DataFrame) -> Section:
             judge((c_lo, c_hi), (lo, hi)),
             f"{inside:.0%} of {len(grp)} measured shapes fall inside the guide's band",
         ))
-    md = ("Naive attention = matmul, softmax, matmul in the input dtype (`standard`); SDPA = PyTorch's default "
-          "dispatch. Speedup = naive time / SDPA time, over every shape of G1-T1 and G1-T2.\n\n"
-          + (md_table(pd.DataFrame(rows)) if rows else "no shape where both ran") + "\n")
+    md = prose(__file__, "g0_c1", rows_table=md_table(pd.DataFrame(rows)) if rows else "no shape where both ran")
     return Section("G0-C1", "SDPA vs naive attention", md, verdicts)
 
 
@@ -288,10 +281,5 @@ def _render_g1_c1(runs: pd.DataFrame, copy: pd.Series, cpus: set[str]) -> Sectio
             verdict, "a claim about an H200's HBM; this target is a CPU" if cpu else
             f"a fused forward moves 4 B S H D elements for 4 B S^2 H D FLOPs: at these lengths it runs nearer the "
             f"run's GEMM rate (median {gemm_med:.2f}) than its copy bandwidth"))
-    md = ("A fused forward's HBM traffic: q, k and v read and the output written once (4 B S H D elements in the "
-          "input dtype), over its time, against the copy bandwidth measured at the start of the same run; its FLOP "
-          "rate over the run's GEMM rate beside it. Every shape of G1-T1 and G1-T2, the fused providers that ran. "
-          "The guide's other G1-C1 claims (TF32 makes GEMMs 4x faster; nn.MultiheadAttention is already "
-          "optimised) are measured by the training study (reports/training.md).\n\n"
-          + (md_table(pd.DataFrame(rows)) if rows else "no fused forward ran") + "\n")
+    md = prose(__file__, "g1_c1", rows_table=md_table(pd.DataFrame(rows)) if rows else "no fused forward ran")
     return Section("G1-C1", guide_figures()["G1-C1"]["title"], md, verdicts)

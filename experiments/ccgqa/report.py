@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
-from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, figure_link, fmt, knobs, md_table
+from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, figure_link, fmt, knobs, md_table, prose
 from adaattn_experiments.common.paired import paired_frame, ratio_text, ratio_verdict
 
 GB = 2**20 / 1e9  # MiB -> GB
@@ -53,13 +53,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             elif r:
                 verdicts.append(Verdict("G4-C1", claim, f"<= {bound:g}x", measured, hw, ratio_verdict(r, None, bound),
                                         f"{mine} / {rival}, a training call (forward and backward), round by round"))
-    md = ("HYDRA's CCGQA attention layer (down-projection, causal convolutions, attention in the latent with "
-          "SDPA, up-projection) against the SDPA GQA layer of the same width, query and kv heads (its head dim: "
-          "width / heads). One training call (forward and backward, the weights' gradients included), autocast "
-          "over fp32 weights; the eager pair and each compile mode's pair (`torch.compile`, static shapes) side "
-          "by side in their own shuffled rounds: median ms; the ratio round by round with its median's 95% "
-          "interval (docs/methods.md); the goal is read on the last pair. Peak GB: the call's peak over what was "
-          "held before it.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+    md = prose(__file__, "g4_c1", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G4-C1", "HYDRA components (CCGQA attention against SDPA GQA)",
                     md + _figure(ok, out_dir), verdicts)]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
-from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, figure_link, fmt, guide_figures, judge, knobs,
-                                   md_table)
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, figure_link, fmt, guide_figures, judge,
+                                            knobs, md_table, prose)
 
 GB = 2**20 / 1e9  # MiB -> GB (the guide's unit)
 
@@ -66,13 +66,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                                     "models.card.estimate_memory against the step's measured peak"))
         t3 += _g4_t3(target, model, hw, peak, params.get((target, model)))
         t1 += _g4_t1(target, model, hw, fwd)
-    md = ("Each preset is one model and one AdamW optimizer; the granularity switches between steps (eager, "
-          "autocast, fused AdamW on a GPU). Step peak: the weights and optimizer state held, and one step's peak "
-          "over them. Forward peak: the forward's peak over what was held before it (the activations the "
-          "backward keeps, and the transients). Estimate: `models.card.estimate_memory` for the same step. "
-          "Step ms: the granularities' steps side by side in shuffled rounds (median). MFU: the card's model "
-          "FLOPs (docs/models.md) over the step time, against the GEMM rate measured in the same run.\n\n"
-          + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+    md = prose(__file__, "g4_t3", table=md_table(pd.DataFrame(table)) if table else "no results")
     figures = _figure(runs, peak, est, out_dir)
     return [Section("G4-T3", "Memory Comparison (gradient checkpointing)", md + figures, t3 + goal),
             Section("G4-T1", "Summary of Changes (checkpointing's activation memory)",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from adaattn.timing.rounds import CI_LEVEL
-from adaattn_pipeline.report.common import Section, Verdict, guide_figures, knobs, md_table
+from adaattn_pipeline.report.common import Section, Verdict, guide_figures, knobs, md_table, prose
 from adaattn_experiments.common.paired import MAIN, metric_table, paired, ratio_text, ratio_verdict
 
 
@@ -46,19 +46,9 @@ def _g2_t1(runs: pd.DataFrame) -> Section:
                 f"adaattn / adaattn_noopt per round {ratio_text(noopt)}"
                 + ("" if ratio is None else f"; adaattn / nn.MultiheadAttention {ratio['value']:.3f}"), m["hardware"],
                 ratio_verdict(noopt, 1 - knobs().same_time_tolerance, 1 + knobs().same_time_tolerance),
-                f"same within {knobs().same_time_tolerance:.0%}, on the {CI_LEVEL:.0%} confidence interval of the "
-                "median of the "
-                "per-round ratios (docs/methods.md, Verdicts); the guide's "
-                "absolute ms are from a CPU it does not name, so only the ratio is compared"))
+                prose(__file__, "g2_t1.reason", same_time_tolerance=f"{knobs().same_time_tolerance:.0%}",
+                      ci_level=f"{CI_LEVEL:.0%}")))
     shape = "; ".join(sorted({f"embed {int(r['embed_dim'])}, {int(r['heads'])} heads, {r['dtype']}"
                               for _, r in runs.dropna(subset=["embed_dim"]).iterrows()}))
-    md = (f"Forward time per call (ms), {shape}: mean ± standard deviation over rounds in which "
-          "every provider is called once, in a shuffled order (docs/methods.md, \"Calls side by side\"), so that the "
-          "machine's drift lands on all of them alike; `adaattn / mha, per round`: the median of adaattn's time over "
-          f"nn.MultiheadAttention's in the same round, the {CI_LEVEL:.0%} confidence interval of that median "
-          "(distribution-free) and the rounds' p20-p80. Providers: `mha` nn.MultiheadAttention; "
-          "`standard` matmul-softmax-matmul module; `adaattn` AdaAttention (kernel manager, rank full); "
-          "`adaattn_auto` (precision and rank auto); `adaattn_noopt` (enable_gpu_optimization=False). The harness's "
-          "times of each provider alone, one after another, are the `time_ms` rows of the results. The guide's "
-          "figures are the same for both of its rows.\n\n" + md_table(pd.DataFrame(rows)) + "\n")
+    md = prose(__file__, "g2_t1", shape=shape, ci_level=f"{CI_LEVEL:.0%}", rows_table=md_table(pd.DataFrame(rows)))
     return Section("G2-T1", "CPU Baseline (Reference)", md, verdicts)

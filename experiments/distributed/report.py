@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge, knobs,
-                                   md_table, median_interval)
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge,
+                                            knobs, md_table, median_interval, prose)
 from adaattn_experiments.distributed.study import SINGLE
 
 
@@ -118,32 +118,12 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         us = reduce[(reduce["case_id"] == r["case_id"]) & (reduce["metric"] == "allreduce_us")]["value"]
         bus.append({"target": r["target"], "ranks": int(r["world_size"]), "what": r["reason"],
                     "us a call": fmt(us.iloc[0] if len(us) else None), "bus GB/s": fmt(r["value"])})
-    md = ("Each preset trained in each layout at each world size, every run a torchrun job of its own "
-          "(`adaattn.distributed.train`; `docs/distributed.md`): `single` one rank, `ddp` DDP, `fsdp` FSDP2 (bf16 "
-          "compute, fp32 gradient reduction), `tp` tensor parallelism (each rank its heads and MLP units; every rank "
-          "the whole batch, and its tokens/s a rank the job's over the ranks). The batch a rank is fixed (weak "
-          "scaling), so N ranks train on N times the tokens a step; micro-batches: each rank's batch a step in that "
-          "many parts, forward and backward in turn, the gradients reduced once (gradient accumulation; '-' for "
-          "results from before it). tokens/s: every rank's tokens over the slowest rank's seconds; scaling efficiency: "
-          "tokens/s a rank at N ranks over one rank's in the same round (the median over rounds, with its range or "
-          "interval). comm ms a step: NCCL kernel time in the traced steps (GPU); exposed: the share of the step's "
-          "GPU time when only communication ran (no kernel hid it), the rank that waited most. Peak: the fullest "
-          "rank's allocated memory. Loss: the whole batch's, at the job's first step and its last timed one ('-' "
-          "for results from before the first was kept): a few steps from random weights at a constant learning "
-          "rate swing, so it says a job ran, not how well it trains. Medians over rounds.\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+    md = prose(__file__, "g3_t2", table=md_table(pd.DataFrame(table)) if table else "no results")
     if bus:
-        md += ("\nAll-reduce bus bandwidth in the same run (`adaattn.distributed.allreduce`, nccl-tests' convention: "
-               "bytes over the slowest rank's time, times 2 (n - 1) / n): the ceiling for the gradients' "
-               "traffic.\n\n" + md_table(pd.DataFrame(bus)) + "\n")
+        md += prose(__file__, "g3_t2.allreduce", bus_table=md_table(pd.DataFrame(bus)))
     projected = projection(jobs, cpus)
     if projected:
-        md += ("\nProjected, not measured: DDP and FSDP2 at 4 and 8 GPUs from the 1- and 2-GPU jobs above (beside "
-               "it, the efficiency a 4-GPU target measured: how far the model holds). Each rank "
-               "computes the same a step at any world size (weak scaling); its ring collectives' traffic grows as "
-               "2 (n - 1) / n, 1.5x at 4 ranks and 1.75x at 8 over 2's, at the bus bandwidth measured at 2 ranks "
-               "(one host's NVLink). The low end counts all the added communication time as exposed (comm ms a step "
-               "times the growth), the high end only the exposed part's growth. The guide's 8-GPU rows wait for "
-               "measured ones (issue 50).\n\n" + md_table(pd.DataFrame(projected)) + "\n")
+        md += prose(__file__, "g3_t2.projection", projected_table=md_table(pd.DataFrame(projected)))
     sections = [Section("G3-T2", "Training Performance: one GPU and more (DDP, FSDP2, TP), all-reduce bandwidth",
                         md, verdicts)]
     decode = df[df["mode"] == "decode"]
@@ -191,10 +171,5 @@ def _decode_section(df: pd.DataFrame, cpus: set[str]) -> Section:
                                         else judge((gain, gain), (claimed, claimed), True, tol),
                                         f"one rank's decode step over TP=2's ({which}, batch 1; the guide's row before "
                                         "is INT8 and names no model or GPUs, so its ratio is read, not its ms)"))
-    md = ("A dense preset decoded on one rank and tensor-parallel over two (`adaattn.distributed.decode`: each rank "
-          "its heads and MLP units, two all-reduces a block (`tp`: NCCL's; `tp_one_shot`: symmetric memory's one-shot "
-          "kernel, each rank reading its peers' partial sums), the embedding and LM head whole on every rank): a "
-          "prefill of the prompt, then greedy decode steps compiled with CUDA graphs, in rounds after an untimed "
-          "one; each round's time its slowest rank's, the median round shown. x one GPU's ms: the decode step's time "
-          "over one rank's, the goal's ratio.\n\n" + md_table(pd.DataFrame(table)) + "\n")
+    md = prose(__file__, "g3_t3", table=md_table(pd.DataFrame(table)))
     return Section("G3-T3", "Inference: +TensorParallel (decode on two GPUs)", md, verdicts)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge, knobs,
-                                   md_table, median_interval)
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge,
+                                            knobs, md_table, median_interval, prose)
 from adaattn_experiments.common.paired import paired_frame, ratio_text
 
 GB = 2**20 / 1e9  # MiB -> GB
@@ -38,17 +38,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                           "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
     for target, frame in ok.groupby("target", sort=False):
         verdicts += _verdicts(target, frame, copy.get(target), ratios, target in cpus)
-    md = ("A dense decoder's prefill and decode step in each config, side by side per batch from the same weights "
-          "(`inference.py`): `base` eager with SDPA's math backend (the scores materialised), `flash` SDPA's fused "
-          "backends, `int8` flash over INT8 weight-only linears, `compiled` the decode step compiled with CUDA "
-          "graphs (reduce-overhead; prefill eager), `compiled_int8` the same over our INT8 weights, "
-          "`compiled_torchao_int8` the same over torchao's `Int8WeightOnlyConfig` (the peer), `no_cache` flash "
-          "without the KV cache (each token runs the whole prefix again). Decode: one step after the prompt, the "
-          "static cache as long as prompt and new tokens. GB read / step: the weights and the whole cache (the "
-          "masked attention reads all of it); GB/s over the copy bandwidth measured at the start of the same run "
-          "is the decode roofline. Compiled / this: the compiled config's step time over this one's, round by "
-          "round. Peak: a prefill and the new tokens' decode steps, over the weights and caches held.\n\n"
-          + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+    md = prose(__file__, "g3_t3", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G3-T3", "Inference Performance (prefill, decode, KV cache, INT8, CUDA graphs)", md, verdicts)]
 
 
@@ -94,7 +84,5 @@ def _verdicts(target: str, ok: pd.DataFrame, copy: float | None, ratios: pd.Data
         out.append(Verdict("G3-T3", f"INT8 weight-only decode at batch 1 at least {goal:g}x bf16's", f">= {goal:g}x",
                            ratio_text(r), hw, "not measurable here" if cpu else
                            judge((r["ci_low"], r["ci_high"]), (goal, None), True),
-                           "compiled bf16's step time over compiled INT8's, round by round; the weights are "
-                           "untrained here: INT8's change in validation loss on trained weights is in the "
-                           "memory_bank report (G3-T4, its standard model)"))
+                           prose(__file__, "g3_t3.int8_reason")))
     return out

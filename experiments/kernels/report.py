@@ -13,7 +13,7 @@ import seaborn as sns
 
 from adaattn.attention.providers import DTYPES
 from adaattn_pipeline.report.common import (Section, Verdict, fmt, guide_figures, interval_text, judge, knobs, md_table,
-                                   median_interval, one_point_table, save_figure)
+                                            median_interval, one_point_table, prose, save_figure)
 
 PROVIDERS = ["eager", "compile", "liger", "ours", "ours_inplace"]
 OURS = ("ours", "ours_inplace")  # ours_inplace: RoPE rotated in place, as Liger's
@@ -78,10 +78,7 @@ def _g4_t2(runs: pd.DataFrame) -> Section:
                 next(iter(judged.values())) if agree else "inconclusive",
                 "forward, B=4 S=512 D=768; only the ratio is compared (another GPU than the guide's)"
                 + ("" if agree else "; the bases read " + ", ".join(f"{b} {v}" for b, v in judged.items()))))
-    md = ("Forward and forward+backward times (p50 of CUDA-event timings, L2 flushed). The guide's figures are "
-          "from an RTX 4090; ours from the hardware in the target column. The speedup's verdict reads it on time "
-          "per call, kernel time and host time (the L2 flush before each timed call can hide a call's host time "
-          "behind the flush's kernel).\n\n" + md_table(pd.DataFrame(rows)) + "\n")
+    md = prose(__file__, "g4_t2", rows_table=md_table(pd.DataFrame(rows)))
     return Section("G4-T2", "Kernel benchmark (B=4, S=512, D=768)", md, verdicts)
 
 
@@ -181,15 +178,9 @@ def _g4_t1(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> Section:
             f"{frame['seq_len'].iloc[0]:.0f} positions)", hw, "by construction",
             "the ratio is the layer count by construction; the guide's 8 KB per layer is not what a "
             "(positions x head_dim/2) fp32 cos+sin cache takes"))
-    md = "\n".join(parts) + (
-        "\n### Performance goals (ratios measured side by side in one run)\n\n"
-        "Each ratio twice: on " + " and on ".join(TIMES.values()) + ". At small sizes the two differ: "
-        "a call's host time shows in its event time when the device runs out of queued work.\n\n"
-        + (md_table(pd.DataFrame(goal_rows)) if goal_rows else "no GPU results") + "\n\n"
-        + ("Ours, forward, input tensors of 64 MB and more: GB/s from the written byte count as a fraction of the "
-           f"copy bandwidth measured in the same run (goal: at least {goal}), on time per call and on "
-           "kernel time.\n\n" + md_table(pd.DataFrame(copy_rows)) if copy_rows else "") + "\n\n"
-        "### Kernel and host time per call at the G4-T2 point (ms; host: calls back to back, no sync, "
-        "docs/methods.md)\n\n"
-        + (md_table(host_tab) if len(host_tab) else "not measured on this target") + "\n")
+    copy_note = prose(__file__, "g4_t1.copy", goal=goal, copy_table=md_table(pd.DataFrame(copy_rows))) \
+        if copy_rows else ""
+    md = prose(__file__, "g4_t1", sweep="\n".join(parts), times=" and on ".join(TIMES.values()),
+               goal_table=md_table(pd.DataFrame(goal_rows)) if goal_rows else "no GPU results", copy_note=copy_note,
+               host_table=md_table(host_tab) if len(host_tab) else "not measured on this target")
     return Section("G4-T1", "Summary of Changes (kernels, shared RoPE cache)", md, verdicts)

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from adaattn_pipeline.report.common import Section, Verdict, figure_link, fmt, judge, knobs, md_table
+from adaattn_pipeline.report.common import Section, Verdict, figure_link, fmt, judge, knobs, md_table, prose
 from adaattn_experiments.memory_analysis.study import EXPONENTS, OPTIMISATION
 
 FORMULAS = {"attention": "O(batch x seq_len^2)", "memory_bank": "O(memory_slots x dim)",
@@ -49,14 +49,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             judge((slope, slope), (claimed, claimed), higher_is_better=False, tolerance=tol),
             f"log-log least squares over {variable} = {', '.join(str(int(x)) for x in plain['x'])}; the O() is the "
             "leading term: lower-order ones (embeddings, projections) pull a small sweep's exponent under it"))
-    md = ("Each component of an LTM transformer measured over one variable at a time, the others at the sweep's "
-          "base (`memory_analysis.py`): parameters (their bytes), the memory bank (the banks' bytes once full), "
-          "attention (one layer's forward and backward, its peak: SDPA's math backend, which materialises the "
-          "scores; optimised: its fused backends) and activations (the model's forward with autograd recording, "
-          "its peak over the weights, at a byte vocabulary so that logits do not dominate; optimised: full "
-          "checkpointing). The fitted exponent is the slope of log memory on log x; optimised / plain is the "
-          "optimisation's ratio at each point (the bank: the preset's filled bank over the same context kept "
-          "whole, a slot a token).\n\n" + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+    md = prose(__file__, "g3_t1", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G3-T1", "Memory Usage Analysis (components, fitted exponents, optimisations)",
                     md + _figure(ok, out_dir), verdicts)]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
-from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, figure_link, fmt, guide_figures, judge, knobs, \
-    md_table
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, figure_link, fmt, guide_figures, judge,
+                                            knobs, md_table, prose)
 
 GIB = 1024.0  # MiB
 
@@ -117,9 +117,7 @@ def _memory(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
                 "memory than standard attention", f"{g['compression']:g}x", f"{ratio['math']:.1f}x", r.hardware,
                 judge((ratio["math"], ratio["math"]), (g["compression"], g["compression"]), True,
                       knobs().guide_ratio_tolerance),
-                "the standard model with SDPA's math backend (the scores in memory, the guide's standard attention): "
-                "its forward's peak plus its KV cache, over the LTM model's peak plus its decode state, same width "
-                "and depth, fresh weights; the guide names no model or batch"))
+                prose(__file__, "g3_t4.compression_reason")))
         elif g and r.math_status != "ok" and pd.notna(r.ltm):
             verdicts.append(Verdict(
                 "G3-T4", f"at {guide_context(r.context)} context the LTM model needs {g['compression']:g}x less "
@@ -137,16 +135,9 @@ def _memory(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
             f">= {goal:g}x", f"{ratio:.1f}x at {int(last['context'])} tokens" if not math.isnan(ratio) else
             "not measured", last["hardware"],
             judge((ratio, ratio), (goal, None), True) if measurable else "not measurable here",
-            "against the standard model with SDPA's fused backends (the stronger peer: its memory grows with the "
-            "context, not its square); each model's forward peak plus the state its decoder keeps"
-            + ("" if measurable else f"; the goal is a GPU's at 32K tokens, this run's longest is "
-               f"{int(last['context'])}")))
-    md = ("Memory at each context, fresh weights, no gradients (`memory_bank.py`): each model's forward peak over "
-          "the weights plus the state its decoder keeps for the next token. The standard model: SDPA's math "
-          "backend (which keeps the scores) and its fused backends, and its KV cache for the context; the LTM "
-          "model: segment by segment, and its decode state after prefilling the context (each layer's segment "
-          "cache and bank, with the bank's keys and values). A status in place of a number says why a model did "
-          "not run (oom: over the device's memory). The guide's figures are for a model and batch it does not name.\n\n" + md_table(pd.DataFrame(rows)) + "\n")
+            prose(__file__, "g3_t4.goal_reason", not_measurable="" if measurable else
+                  f"; the goal is a GPU's at 32K tokens, this run's longest is {int(last['context'])}")))
+    md = prose(__file__, "g3_t4.memory", rows_table=md_table(pd.DataFrame(rows)))
     return md, verdicts
 
 
@@ -175,14 +166,7 @@ def _quality(df: pd.DataFrame) -> str:
             rows.append(row)
         parts.append(md_table(pd.DataFrame(rows)))
     steps = q.loc[q["metric"] == "train_loss", "step"].max()
-    return ("\nThe price in quality, which the guide never measured: the standard, sliding-window and LTM presets "
-            f"trained from fresh weights on the same bytes of Python's standard library, the same batches, {steps:g} "
-            "steps each (the train stage's loop); validation loss (nats a byte) over held-out windows of each length "
-            "(for the standard model, in brackets: the change with INT8 weight-only linears, `models.quant`, on the "
-            "same windows); "
-            "recall: a line `passkey = \"NNNNN\"` in held-out code and the same line's start a distance later, the "
-            "share of the five digits the model's argmax reads right, teacher-forced (chance: 0.1).\n\n"
-            + "\n\n".join(parts) + "\n")
+    return prose(__file__, "g3_t4.quality", steps=f"{steps:g}", presets="\n\n".join(parts))
 
 
 def _figures(df: pd.DataFrame, out_dir: Path) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, fmt, judge, knobs, md_table
+from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, fmt, judge, knobs, md_table, prose
 from adaattn_experiments.common.paired import paired_frame, ratio_text
 
 GB = 2**20 / 1e9  # MiB -> GB
@@ -42,20 +42,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                           "step peak GB": fmt(at.get(("step_peak_mem_mb", config), float("nan")) * GB),
                           "note": "" if ms else f"{row['status']}: {row['reason']}"})
         verdicts += _goals(target, case_id, model, hw, best, best_mfu, rate, ratios, target in cpus, bf16_mfu)
-    md = ("A preset's whole training step (`Trainer.train_step`: forward, loss, backward, clipping, fused AdamW) in "
-          "each config, side by side in shuffled rounds from the same initial weights (median ms). Each config adds "
-          "its setting to the configs above it: `plain` is compiled PyTorch (SDPA, bf16 autocast, TF32, fused "
-          "AdamW, PyTorch's own norm, activation and rotary ops, the loss eager), `kernels` our Triton kernels, "
-          "`loss` the loss compiled too, `fp8` torchao's float8 training on the blocks' linears. "
-          "The blocks are compiled one at a time (one graph every layer shares). MFU: the card's model FLOPs "
-          "(6N + 12 L H D S per token) over the step time, against the bf16 GEMM rate measured at the start of the "
-          "same run; an fp8 config's MFU is on the same bf16 basis (model FLOPs per second), not against an FP8 "
-          "peak. Speedup over plain: plain's step time over the config's, round by round, with its median's 95% "
-          "interval. First step: the config's first step, its compilation included; graphs compiled: the dynamo "
-          "graphs it compiled (a graph an earlier config compiled is reused: the loss config compiles only its "
-          "loss). Step peak: weights, AdamW state and one step's peak over them. FP8 changes the arithmetic: its "
-          "loss over a training run against bf16's is not measured here.\n\n"
-          + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+    md = prose(__file__, "g0_t1", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G0-T1", "MFU goals (training step, compiled, by config)", md, verdicts), _g0_c2(runs)]
 
 

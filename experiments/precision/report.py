@@ -10,7 +10,7 @@ import seaborn as sns
 
 from adaattn.attention.backends import Signature
 from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table,
-                                   save_figure)
+                                            prose, save_figure)
 from adaattn_experiments.precision.study import DTYPE_OF
 
 PRECISIONS = ["fp32", "tf32", "fp16", "bf16"]
@@ -65,14 +65,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                           "guide memory vs FP32": f"~{guide['memory_vs_fp32'][p]}x",
                           "guide MSE vs FP32": f"< {guide['mse_vs_fp32_below'][p]:g}" if guide["mse_vs_fp32_below"][p]
                           else "0.0"} for p in guide["speed_vs_fp32"]])
-    md = ("\n".join(parts) + "\nThe guide's table (no hardware named):\n\n" + md_table(gtab) + "\n\n"
-          "Measured: time per call (p50), speed = fp32 time / time, memory = peak memory of one call / fp32's, error "
-          "against float64 on the first batch element (fp32's error is the floor; the guide's MSE is vs FP32). "
-          "`attention` is SDPA on (B, H, S, D); `block` a pre-norm transformer block around AdaAttention; inputs "
-          "N(0,1) or with outliers (see params.yaml). `attention backend`: SDPA's own dispatch for `attention`; for "
-          "`block`, the backend AdaAttention's kernel manager chose for the signature (fastest by its measurement, "
-          "a tie to one that does not hold the score matrix): the block's memory is that backend's, and "
-          "`sdpa_math` and `math` hold the (L, S) scores. tf32 blocks share fp32's signature and choice.\n\n" + md_table(shown) + "\n")
+    md = prose(__file__, "g2_t3", figures="\n".join(parts), guide_table=md_table(gtab),
+               shown_table=md_table(shown))
     return [Section("G2-T3", "Precision Mode Accuracy", md, verdicts)]
 
 

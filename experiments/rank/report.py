@@ -13,7 +13,8 @@ import seaborn as sns
 from adaattn.kernels.nystrom import fused_solve
 from adaattn.attention.rank import LOW_RANK_METHODS, PINV_ITERS, PINV_MATMULS_PER_ITER
 from adaattn.timing.rounds import BURST, CI_LEVEL
-from adaattn_pipeline.report.common import Section, Verdict, fmt, judge, knobs, md_table, one_point_table, save_figure
+from adaattn_pipeline.report.common import (Section, Verdict, fmt, judge, knobs, md_table, one_point_table, prose,
+                                            save_figure)
 from adaattn_experiments.rank.study import low_rank_of
 
 # what the r x r solve costs at least (``rank.RankStudy._solve_floor``): metric -> column
@@ -149,43 +150,15 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                     *SOLVE_FLOORS.values()):
             shown[col] = shown[col].map(fmt)
     real = sorted({i for i in runs["inputs"].dropna().unique() if str(i).startswith("minilm-l")})
-    md = ("\n".join(parts) + "\nPer case: the estimators (mean over heads), the policy's choice and error (a path "
-          "within the error budget on the sampled rows is taken only where it is faster than the exact path, timed "
-          "side by side by a kernel manager over the exact backends, the op alone; `policy path` names the exact "
-          "path's backend, `why exact` both times where the path was not faster), the "
-          f"oracle (the low-rank path of fewest landmarks in the sweep with rel L2 <= {tol:g}; pooled first at equal "
-          "landmarks, as the policy tries them; by error alone), and the best exact backend. `policy ms` and "
-          "`best exact ms` are the sweep's time per call (p50 of CUDA events around each call, the L2 cache flushed "
-          "before it; on a CPU the host's time), each provider timed alone, one after another; the policy's exact "
-          "path is the backend its manager put first by time per call of calls back to back, which where the call "
-          "is host-bound can be one with a longer kernel and a leaner host. Low-rank paths: `nystrom` (Nyström "
-          "with segment-mean landmarks, an r x r pseudo-inverse) and `pooled` (attention over the segment means of "
-          "the keys and values: no solve, more error where keys vary within a segment; `src/adaattn/attention/rank.py`)."
-          + (f" Real inputs ({', '.join(real)}): the queries, keys and values of that layer of all-MiniLM-L6-v2 "
-             "(12 heads of 32 dims) over a window of Python's language reference "
-             "(`src/adaattn_experiments/minilm.py`), "
-             "captured once by the `real_inputs` stage and read by every target"
-             + "".join(f"; {t}: {src}" for t, src in _real_sources(ok).items()) + "."
-             if real else "") + "\n\n"
-          + md_table(pd.DataFrame(rows)) + "\n\n"
-          f"### Goal: low-rank at landmarks <= S/{knobs().low_rank_landmarks_div}, S >= {knobs().low_rank_min_len}: "
-          "speed vs the best exact backend, and the error it pays\n\n"
-          "Time per call: the best exact backend's over the low-rank path's, on a GPU from the goal's providers "
-          "timed side by side after the sweep (one turn of each per round in a shuffled order, a turn "
-          f"{BURST} calls on a flushed, drained queue, the first not counted, the other {BURST - 1} back to back and "
-          "timed together; after a first block of rounds an exact backend that another beats with "
-          f"{CI_LEVEL:.0%} confidence leaves the rounds: docs/methods.md, \"Calls side by side\"); kernel time: "
-          "the sweep's "
-          "interleaved kernel traces. Each low-rank path has its verdict. The budget is the time the whole "
-          f"low-rank call may take ({bound:g}x faster than the best exact). Nyström's r x r "
-          f"solve's cost on this GPU: the pseudo-inverse's {PINV_ITERS * PINV_MATMULS_PER_ITER} batched products "
-          f"({PINV_ITERS} Newton-Schulz iterations of {PINV_MATMULS_PER_ITER}) as cuBLAS runs them in fp32 and in "
-          "bf16, and a direct LU solve (`torch.linalg.solve`, fp32), shown where the path solves by batched "
-          "products (replayed from a CUDA graph on a GPU; the fused path, up to 128 landmarks, solves inside one "
-          "kernel instead; the pooled path solves nothing); a solve above the "
-          "budget rules the goal out at that size for a solve made of those launches.\n\n"
-          + (md_table(shown) if len(shown) else "no point of this sweep has S >= "
-                                 f"{knobs().low_rank_min_len} (the CPU profile)") + "\n")
+    sources = "".join(f"; {t}: {src}" for t, src in _real_sources(ok).items())
+    real_note = prose(__file__, "g2_c1.real", inputs=", ".join(real), sources=sources) if real else ""
+    shown_table = md_table(shown) if len(shown) else \
+        f"no point of this sweep has S >= {knobs().low_rank_min_len} (the CPU profile)"
+    md = prose(__file__, "g2_c1", figures="\n".join(parts), tol=f"{tol:g}", real_note=real_note,
+               rows_table=md_table(pd.DataFrame(rows)), low_rank_landmarks_div=knobs().low_rank_landmarks_div,
+               low_rank_min_len=knobs().low_rank_min_len, burst=BURST, burst_1=BURST - 1, ci_level=f"{CI_LEVEL:.0%}",
+               bound=f"{bound:g}", pinv_products=PINV_ITERS * PINV_MATMULS_PER_ITER, pinv_iters=PINV_ITERS,
+               pinv_matmuls_per_iter=PINV_MATMULS_PER_ITER, shown_table=shown_table)
     return [Section("G2-C1", "Adaptive rank (rank estimate, low-rank paths, policy)", md, verdicts)]
 
 
@@ -210,10 +183,9 @@ def _floor_reason(f: pd.DataFrame) -> str:
     out = ""
     over = f[(bf16 > budget) & (lu > budget)]
     if len(over):
-        out += (f"; at {len(over)} of {len(f)} points ({int(over['landmarks'].min())}-{int(over['landmarks'].max())} "
-                f"landmarks, solved by batched products) the r x r solve alone takes longer than the whole call may "
-                f"({bound:g}x budget), both as the pseudo-inverse's {n_mm} products in cuBLAS bf16 and as a "
-                "direct LU solve: no solve of that size by these means meets the goal on this GPU")
+        out += prose(__file__, "floor_reason", over_budget=len(over), cases=len(f),
+                     fewest=int(over['landmarks'].min()),
+                     most=int(over['landmarks'].max()), bound=f"{bound:g}", n_mm=n_mm)
     fp32_only = f[(fp32 > budget) & ~((bf16 > budget) & (lu > budget))]
     if len(fp32_only):
         out += (f"; at {len(fp32_only)} more the pseudo-inverse's products in cuBLAS fp32 alone exceed it (a "

@@ -10,7 +10,7 @@ import seaborn as sns
 
 from adaattn.timing.rounds import CI_LEVEL
 from adaattn_pipeline.report.common import (Section, Verdict, fmt, guide_figures, interval_text, judge, knobs, md_table,
-                                   median_interval, one_point_table, save_figure)
+                                            median_interval, one_point_table, prose, save_figure)
 from adaattn_experiments.common.paired import MAIN, metric_table, paired_frame, ratio_text, ratio_verdict
 
 FIGURE_METRICS = ["time_ms", "kernel_ms", "peak_mem_mb"]  # the scaling figures' rows (kernel_ms: CUDA only)
@@ -83,34 +83,14 @@ def _scaling(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> list[Sectio
     ranks["signature"] = ranks["signature"].str.removeprefix("manager/")
     util_tab = util[[c for c in util.columns if c in ("target", "batch", "seq_len", "mode", *MAIN)]] \
         if not util.empty else util
-    md = (f"### Goal: AdaAttention within {knobs().goal_overhead - 1:.0%} of the fastest backend called directly\n\n"
-          "Each ratio is adaattn's time over the fastest direct backend's, taken round by round with both called in "
-          f"the same round (the median over the rounds and its {CI_LEVEL:.0%} confidence interval; a shape is above "
-          f"{knobs().goal_overhead} where the interval lies above it, undecided where it spans it; docs/methods.md). "
-          "Eager "
-          f"time per call is judged at GPU-bound shapes only (the fastest direct call's kernel time at least "
-          f"{knobs().gpu_bound:g}x its host time: `kernel / host`); at host-bound shapes it is reported without a goal, as "
-          "CUDA graphs and compilation are the answer there (the compiled column). Kernel time and compiled time per "
-          "call are judged at every shape.\n\n"
-          + (md_table(goal) if len(goal) else "no goal timings in these results") + "\n\n"
-          "### First call of a new signature\n\n"
-          "adaattn's first call ranks the signature's backends (the kernel manager; `ranking s`), then the direct "
-          "call of the backend it chose makes its first call; that backend's per-shape setup is done by then, so "
-          "the difference is an upper bound of what a new signature costs. The process's one-time costs were paid "
-          "on a small shape first.\n\n" + (md_table(first) if len(first) else "not measured") + "\n\n"
-          "### Stack check: transformer blocks with AdaAttention vs with SDPA, each block compiled, a training "
-          "step side by side\n\n"
-          + (md_table(stack) if len(stack) else "not measured on these targets") + "\n\n"
-          "### The sweep\n\n" + "\n".join(parts) +
-          "\nThe sweep times each provider alone, one after another (`time_ms`: CUDA events around each call, the L2 "
-          "flushed before it; on a CPU the host's time); `kernel_ms` the GPU time of a call's kernels; peak memory "
-          "over one call (MiB).\n\n" + md_table(pd.DataFrame(rows)) + "\n\n"
-          "### GPU utilization (NVML, % of its sample period with a kernel running, over 1 s of calls)\n\n"
-          + (md_table(util_tab) if len(util_tab) else "not measured on these targets (CUDA only)") + "\n\n"
-          "### The kernel manager's rankings (this run)\n\n"
-          "Per signature, the candidates the hardware leaves in the running, each warmed up and then timed in "
-          "shuffled rounds of GPU-time turns (the host's issue time kept out, as a CUDA graph runs them); `s`: "
-          "what the ranking took.\n\n" + (md_table(ranks) if len(ranks) else "none") + "\n")
+    md = prose(__file__, "g2_b", overhead=f"{knobs().goal_overhead - 1:.0%}", ci_level=f"{CI_LEVEL:.0%}",
+               goal_overhead=knobs().goal_overhead, gpu_bound=f"{knobs().gpu_bound:g}",
+               goal_table=md_table(goal) if len(goal) else "no goal timings in these results",
+               first_table=md_table(first) if len(first) else "not measured",
+               stack_table=md_table(stack) if len(stack) else "not measured on these targets",
+               sweep="\n".join(parts), rows_table=md_table(pd.DataFrame(rows)),
+               util_table=md_table(util_tab) if len(util_tab) else "not measured on these targets (CUDA only)",
+               ranks_table=md_table(ranks) if len(ranks) else "none")
     return [Section("G2-B", "GPU Benchmarking Suite (batch and sequence scaling)", md,
                     verdicts + first_verdicts + stack_verdicts),
             _g2_t2(t, mem, metric_table(runs, "kernel_ms"))]
@@ -322,7 +302,5 @@ def _g2_t2(t: pd.DataFrame, mem: pd.DataFrame, kern: pd.DataFrame) -> Section:
             next(iter(reads.values())) if agree else "inconclusive",
             "" if agree else "the two times read different verdicts: " + ", ".join(
                 f"{basis} {v}" for basis, v in reads.items())))
-    md = ("G2-T2's third line (1.5-2x from FP16/BF16) is checked by the precision study, under G2-T3.\n\n"
-          "Memory of the seq sweep (forward, batch as in params.yaml): the standard module vs AdaAttention.\n\n"
-          + (md_table(pd.DataFrame(rows)) if rows else "no results") + "\n")
+    md = prose(__file__, "g2_t2", rows_table=md_table(pd.DataFrame(rows)) if rows else "no results")
     return Section("G2-T2", "Expected GPU Performance Gains (memory and speed lines)", md, verdicts)

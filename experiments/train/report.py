@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
-from adaattn_pipeline.report.common import Section, figure_link, fmt, md_table
+from adaattn_pipeline.report.common import Section, figure_link, fmt, md_table, prose
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
@@ -37,14 +37,9 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                       "validation loss": fmt(val), "bits / byte": fmt(val / math.log(2) if val else None),
                       "tokens/s": fmt(tokens_s), "MFU (measured GEMM)": fmt(mfu),
                       "weights MiB": fmt(last("weights_mb")), "status": "ok"})
-    text = ("Each model trained from fresh weights for the same steps on the same batches of Python's "
-            "standard-library sources as bytes (vocabulary 256), a held-out share of the files for validation "
-            "(`models/data.py`). "
-            "Validation loss: nats per byte in eval mode, where HYDRA's routers route causally. tokens/s: the steps "
-            "after the first logged interval. MFU: the card's model FLOPs over the step time, against the GEMM "
-            "rate measured in the same run. Corpus per target: "
-            + "; ".join(f"{t}: {c}" for t, c in corpus.items()) + ".\n\n"
-            + (md_table(pd.DataFrame(table)) if table else "no results") + "\n")
+    text = prose(__file__, "train",
+                 corpus="; ".join(f"{t}: {c}" for t, c in corpus.items()),
+                 table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("train", "HYDRA against a dense model of equal parameters (trained on real text)",
                     text + _curves(ok, out_dir))]
 

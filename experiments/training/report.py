@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table,
+                                            prose)
 from adaattn_experiments.common.paired import paired_frame, ratio_text, ratio_verdict
 
 GPU_CLAIM = "a claim about an H200; this target is a CPU"
@@ -47,15 +48,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                 prev = s_ms
         t1 += _g0_t1(target, hw, fwd, mem, weights, flops, tokens, gemm, target in cpus, case_id)
         c1 += _g0_c1(target, hw, step, order, target in cpus)
-    md = ("Forward peak MiB: over the weights (the `weights_mb` row). Each rung adds its setting to every rung "
-          "above it, from the same initial weights (`training.py`). "
-          "Forward: the harness, one rung at a time; step: `Trainer.train_step` (forward, loss, backward, "
-          "clipping, AdamW), the rungs' steps side by side in shuffled rounds (median). MFU: the card's model "
-          "FLOPs (6N + 12 L H D S per token, docs/models.md) over the step time, against the GEMM rate "
-          "measured at the start of the same run (bf16 on a GPU, fp32 on a CPU). Step MiB: the rung's weights and "
-          "optimizer state, and one step's peak over them.\n\n"
-          + (md_table(pd.DataFrame(rows)) if rows else "no results")
-          + "\n")
+    md = prose(__file__, "g0_t1", rows_table=md_table(pd.DataFrame(rows)) if rows else "no results")
     modes_md, modes = _compile_modes(df)
     return [Section("G0-T1", "Performance Metrics (training ladder)", md, t1),
             Section("G0-C1", "Core optimizations, rung by rung", "The gains are in the G0-T1 table's last column "
@@ -99,10 +92,7 @@ def _compile_modes(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
             table.append({"target": target, "mode": mode, "eager step ms": "-", "compiled step ms": "-",
                           "gain (eager / compiled)": "not measured: not in this target's compile_modes (params.yaml "
                           "G0-T1 says why)", "CUDA-graph skips": "-"})
-    md = ("\nEach torch.compile mode: the compile rung's step in that mode against the rung before it (eager), side "
-          "by side in their own rounds; the gain is the eager step's time over the compiled one's, round by round, "
-          "with its median's 95% interval. CUDA-graph skips: graphs inductor ran without CUDA graphs (reduce-overhead "
-          "and max-autotune then run as the default mode there).\n\n" + md_table(pd.DataFrame(table)) + "\n")
+    md = prose(__file__, "compile_modes", table=md_table(pd.DataFrame(table)))
     return md, verdicts
 
 
@@ -197,8 +187,5 @@ def _g1_c1(df: pd.DataFrame) -> list[Section]:
                                     "not measurable here" if target in cpus else ratio_verdict(r, None, bound),
                                     f"{what}: nn.MultiheadAttention(need_weights=False) over the zoo's SDPA layer of "
                                     "the same width, heads and projections"))
-    md = ("An fp32 GEMM with TF32 off and on, and `nn.MultiheadAttention` against the zoo's SDPA attention layer "
-          "(same width, heads, biased projections; non-causal; autocast on a GPU), each pair side by side in "
-          "shuffled rounds: median ms, and the time ratio round by round with its median's 95% interval.\n\n"
-          + md_table(pd.DataFrame(table)) + "\n")
+    md = prose(__file__, "g1_c1", table=md_table(pd.DataFrame(table)))
     return [Section("G1-C1", "Bandwidth and compute claims (TF32 GEMMs, nn.MultiheadAttention)", md, verdicts)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -35,6 +36,30 @@ def is_stale(verdict: str) -> bool:
 # Fixed provider order and colours across every figure.
 PROVIDER_ORDER = list(PROVIDERS)
 PROVIDER_COLORS = dict(zip(PROVIDER_ORDER, sns.color_palette("tab10", len(PROVIDER_ORDER)), strict=True))
+
+
+_PART = re.compile(r"^<!-- ([a-z0-9_.]+) -->\n", re.M)
+
+
+@functools.cache
+def _prose_parts(path: Path) -> dict[str, Any]:
+    """A report's prose, ``report.md`` beside it: each part after a line ``<!-- name -->``, a Jinja2 template."""
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    chunks = _PART.split(path.read_text())
+    # a part ends where the next begins; the one newline before that line is the file's, not the part's
+    return {name: env.from_string(body[:-1] if body.endswith("\n") else body)
+            for name, body in zip(chunks[1::2], chunks[2::2], strict=True)}
+
+
+def prose(report_file: str, part: str, **values: Any) -> str:
+    """Part ``part`` of the prose beside a study's report (its ``__file__``), with ``values`` filled in: every name
+    the part uses must be given."""
+    parts = _prose_parts(Path(report_file).with_name("report.md"))
+    if part not in parts:
+        raise KeyError(f"no part {part!r} in {Path(report_file).with_name('report.md')}; parts: {', '.join(parts)}")
+    return parts[part].render(**values)
 
 
 @functools.cache
