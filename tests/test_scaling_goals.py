@@ -3,44 +3,13 @@ with the medians' confidence intervals, at GPU-bound shapes; first calls, the st
 
 from __future__ import annotations
 
-import copy
 import math
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_g2_studies import _params, _run
 
-from adaattn_pipeline.bench.harness import Harness
-from adaattn_pipeline.bench.roofline import Ceilings
-from adaattn.timing.timers import CpuTimer, KernelTrace
-from adaattn_pipeline.config import load_raw, validate
-
-PARAMS = Path(__file__).parents[1] / "params.yaml"
-
-
-def _params(**overrides):
-    """params.yaml with ``{"G2-B.cpu.seq_lens": [64], ...}`` applied; the rank study's real inputs
-    (a model run, ``test_minilm.py``) off unless an override sets them."""
-    raw = copy.deepcopy(load_raw(PARAMS))
-    overrides = {"G2-C1.cpu.real_layers": [], "G2-C1.cpu.real_seq_lens": [], **overrides}
-    for dotted, value in overrides.items():
-        node = raw
-        *path, last = dotted.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return validate(raw), raw
-
-
-def _run(study, params):
-    study = study.bind("cpu")
-    cases = study.cases(params, params.targets["cpu"])
-    h = Harness("cpu", CpuTimer(1, 2), Ceilings(10.0, 1.0, "fp32", 64),
-                **study.harness_options(params, params.targets["cpu"]))
-    rows = h.run(study, cases)
-    extra = study.extra_rows(params, params.targets["cpu"])
-    prov = {"target": "cpu", "hardware": "test cpu"}
-    return pd.DataFrame([{**r, **prov} for r in rows + extra])
+from adaattn.timing.timers import KernelTrace
 
 
 def test_scaling_goal_per_call_is_the_highest_per_round_ratio():

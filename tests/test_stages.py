@@ -106,3 +106,9 @@ def test_touching_a_library_module_stales_exactly_the_stages_that_reach_it(copy,
                 expected.add(name)
     assert reach and changed == expected
     assert len(reach) < len(registry.study_names())  # not every stage: the deps are the imports'
+
+
+def test_a_study_reads_the_sections_its_schema_defines():
+    """What a study's stage lists under params (``StudyDef.sections``) is what its schema validates (``SECTIONS``)."""
+    for name in registry.study_names():
+        assert set(registry.studies()[name].sections) == set(registry.schema(name).SECTIONS), name

@@ -146,7 +146,7 @@ def capture(seq_lens: list[int], layers: list[int], path: Path = CAPTURE) -> Pat
 
 def captured_unavailable(seq_lens: list[int], layers: list[int], path: Path = CAPTURE) -> str | None:
     """Why ``captured`` cannot give ``layers`` over windows of ``seq_lens`` from ``path`` (None: it can)."""
-    how = "run `dvc repro real_inputs` (or `adaattn capture-real-inputs`) where the model is installed"
+    how = "run `dvc repro real_inputs` (or `python -m adaattn_experiments.rank.capture`) where the model is installed"
     if not path.exists():
         return f"{path} is missing: {how}"
     payload = _load(path, path.stat().st_mtime_ns)

@@ -84,7 +84,6 @@ class RankStudy(StudyDef):
     config_columns = ["inputs", "true_rank", "batch", "heads", "seq_len", "head_dim", "dtype", "head"]
     sections = ("G2-C1",)
     extra_params = ("verdicts.low_rank_min_len", "verdicts.low_rank_landmarks_div")  # the goal's cases are timed side by side
-    data_deps = (minilm.CAPTURE.as_posix(),)  # real inputs: q, k, v captured on the CPU (the real_inputs stage)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -97,6 +96,10 @@ class RankStudy(StudyDef):
 
     def bind(self, device: str) -> RankStudy:
         return RankStudy(device)
+
+    @property
+    def data_deps(self) -> tuple[str, ...]:
+        return (minilm.CAPTURE.as_posix(),)  # real inputs: q, k, v captured on the CPU (the real_inputs stage)
 
     def extra_stages(self, raw: dict) -> dict[str, dict]:
         # the capture runs on the CPU (the `real` extra) and is tracked in git like results: a capture on
