@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge,
-                                            knobs, md_table, median_interval, prose)
+                                            knobs, md_table, median_interval, prose, same_row)
 from adaattn_experiments.distributed.study import SINGLE
 
 
@@ -80,7 +80,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                               "micro-batches": fmt(_median(good, "micro_batches")), "rounds": len(per_round),
                               "tokens/s": fmt(_median(good, "tokens_per_s")),
                               "tokens/s a rank": fmt(_median(good, "tokens_per_s_per_rank")),
-                              "scaling efficiency": interval_text(*eff, unit="") if eff else "-",
+                              "scaling efficiency": interval_text(effs, unit="") if eff else "-",
                               "step ms": fmt(_median(good, "step_ms")),
                               "comm ms a step": fmt(_median(good, "comm_ms")),
                               "exposed": fmt(share),
@@ -94,7 +94,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                 verdict = ("not measurable here" if cpu else "not measured yet" if eff is None
                            else judge((eff[1], eff[2]), (goal, None), True))
                 verdicts.append(Verdict("G3-T2", claim, f">= {goal:g}",
-                                        "-" if eff is None else interval_text(*eff, unit="") + f" over {len(effs)} "
+                                        "-" if eff is None else interval_text(effs, unit="") + f" over {len(effs)} "
                                         f"round{'s' if len(effs) != 1 else ''}", hw, verdict,
                                         "gloo processes sharing a CPU's cores: not the GPUs' scaling" if cpu else
                                         "tokens/s a rank at this world size over one rank's in the same round, the "
@@ -115,7 +115,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                                 "the presets named above at a fixed batch a rank, and reads them against each other")
             verdicts.append(Verdict("G3-T2", claim, f"{tokens:.3g} tokens/s", "-", hw, verdict, why))
     for _, r in reduce[reduce["metric"] == "busbw_gbps"].iterrows():
-        us = reduce[(reduce["case_id"] == r["case_id"]) & (reduce["metric"] == "allreduce_us")]["value"]
+        us = same_row(reduce, r, "allreduce_us")
         bus.append({"target": r["target"], "ranks": int(r["world_size"]), "what": r["reason"],
                     "us a call": fmt(us.iloc[0] if len(us) else None), "bus GB/s": fmt(r["value"])})
     md = prose(__file__, "g3_t2", table=md_table(pd.DataFrame(table)) if table else "no results")

@@ -160,10 +160,10 @@ def _g4_t1(runs: pd.DataFrame, df: pd.DataFrame, out_dir: Path) -> Section:
                                     "-", hw, "not measurable here", "our Triton kernels do not run on this target"))
         else:
             s = fwd["eager"] / fwd["ours"]
-            med, lo, hi = median_interval(s)
+            _, lo, hi = median_interval(s)
             verdicts.append(Verdict(
                 "G4-T1", f"Triton kernels {band[0]}-{band[1]}x faster", f"{band[0]}-{band[1]}x (RTX 4090)",
-                f"{interval_text(med, lo, hi)} over {len(s)} forward sizes ({s.min():.2f}-{s.max():.2f}x)", hw,
+                f"{interval_text(s)} over {len(s)} forward sizes ({s.min():.2f}-{s.max():.2f}x)", hw,
                 judge((lo, hi), tuple(band), tolerance=knobs().guide_ratio_tolerance),
                 "ours vs eager PyTorch, forward, every kernel and size of the sweep"))
     cache = df[df["metric"] == "cache_bytes"]

@@ -293,7 +293,7 @@ def _g2_t2(t: pd.DataFrame, mem: pd.DataFrame, kern: pd.DataFrame) -> Section:
             continue
         reads = {basis: judge(median_interval(s["speedup"])[1:], (lo, hi)) for basis, s in by.items()}
         measured = "; ".join(
-            f"{interval_text(*median_interval(s['speedup']))} by {basis} ({s['speedup'].min():.2f}-"
+            f"{interval_text(s['speedup'])} by {basis} ({s['speedup'].min():.2f}-"
             f"{s['speedup'].max():.2f}x; standard / adaattn, forward, S = "
             f"{', '.join(str(int(v)) for v in s['seq_len'])})" for basis, s in by.items())
         agree = len(set(reads.values())) == 1

@@ -33,6 +33,9 @@ STALE = "stale: re-measure on "
 def is_stale(verdict: str) -> bool:
     return verdict.startswith(STALE)
 
+# What names one measurement's rows: a value of another metric of the same measurement matches on all of it
+ROW_KEY = ("target", "case_id", "provider", "mode")
+
 # Fixed provider order and colours across every figure.
 PROVIDER_ORDER = list(PROVIDERS)
 PROVIDER_COLORS = dict(zip(PROVIDER_ORDER, sns.color_palette("tab10", len(PROVIDER_ORDER)), strict=True))
@@ -93,6 +96,19 @@ def knobs():
     return _knobs[-1] if _knobs else Verdicts()
 
 
+TOLERANCES = {"ratio": "guide_ratio_tolerance", "memory": "guide_memory_tolerance", "precision": "precision_tolerance",
+              "same_time": "same_time_tolerance"}
+
+
+def tolerance_for(kind: str) -> float:
+    """The tolerance for what a claim is read on: ``ratio`` for a ratio of two readings (whatever they measure: a
+    memory ratio is a ratio), ``memory`` for a memory figure itself from other hardware, ``precision``,
+    ``same_time`` (docs/methods.md, Verdicts)."""
+    if kind not in TOLERANCES:
+        raise ValueError(f"tolerance kind {kind!r}; allowed: {', '.join(TOLERANCES)}")
+    return getattr(knobs(), TOLERANCES[kind])
+
+
 @contextlib.contextmanager
 def use_knobs(verdicts):
     _knobs.append(verdicts)
@@ -141,8 +157,32 @@ def median_interval(values: Iterable[float]) -> tuple[float, float, float]:
     return float(pd.Series(v).median()), lo, hi
 
 
-def interval_text(median: float, lo: float, hi: float, unit: str = "x", digits: int = 3) -> str:
-    return f"median {median:.{digits}g}{unit}" + ("" if lo == hi else f" (CI {lo:.{digits}g}-{hi:.{digits}g})")
+def interval_text(values: Iterable[float], unit: str = "x", digits: int = 3) -> str:
+    """The readings' median with what bounds it (``median_interval``), named for what it is: past five readings
+    the median's 95% confidence interval ("CI"), two to five their range ("range"), one the reading alone."""
+    v = [x for x in values if not math.isnan(x)]
+    med, lo, hi = median_interval(v)
+    if len(v) <= 1:
+        return f"{med:.{digits}g}{unit}"
+    kind = "CI" if math.isfinite(median_ci_width(v)) else "range"
+    return f"median {med:.{digits}g}{unit} ({kind} {lo:.{digits}g}-{hi:.{digits}g})"
+
+
+def median_ci_width(values: list[float]) -> float:
+    """The width of the readings' median's confidence interval; inf where they are too few for one."""
+    from adaattn.timing.rounds import median_ci
+
+    lo, hi = median_ci(sorted(values))
+    return hi - lo
+
+
+def same_row(frame: pd.DataFrame, row: pd.Series | dict, metric: str, keys: tuple[str, ...] = ROW_KEY) -> pd.Series:
+    """``frame``'s ``metric`` values of the row ``row`` is (every key column equal: target, case, provider, mode),
+    never of another target's or provider's row that shares part of the key."""
+    match = frame["metric"] == metric
+    for k in keys:
+        match &= frame[k] == row[k]
+    return frame.loc[match, "value"]
 
 
 @dataclass

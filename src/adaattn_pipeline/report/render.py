@@ -153,15 +153,26 @@ def _verdict_table(verdicts: list[Verdict]) -> str:
     return md_table(pd.DataFrame(rows)) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
+def counted(by_id: Mapping[str, list[tuple[str, Section]]]) -> dict[str, list[tuple[str, Verdict]]]:
+    """Every verdict under the table id it is about (``Verdict.table_id``), whichever section shows it (the
+    precision study's G2-T3 section shows G2-T2 claims too), with the study that gives it; a stale row is no
+    verdict and is left out."""
+    out: dict[str, list[tuple[str, Verdict]]] = {}
+    for entries in by_id.values():
+        for study, section in entries:
+            for v in section.verdicts:
+                if not is_stale(v.verdict):
+                    out.setdefault(v.table_id, []).append((study, v))
+    return out
+
+
 def verdict_metrics(by_id: Mapping[str, list[tuple[str, Section]]]) -> dict[str, dict[str, int]]:
     """Per table id, how many of its claims got each verdict (over every study that judges it): what
     ``dvc metrics show`` and ``dvc metrics diff`` read (keys with underscores for DVC's command line)."""
     out = {}
-    for table_id, entries in sorted(by_id.items()):
-        counts = pd.Series([v.verdict for _, s in entries for v in s.verdicts if not is_stale(v.verdict)],
-                           dtype=object).value_counts()
-        if len(counts):
-            out[table_id] = {k.replace(" ", "_"): int(n) for k, n in counts.items()}
+    for table_id, verdicts in sorted(counted(by_id).items()):
+        counts = pd.Series([v.verdict for _, v in verdicts], dtype=object).value_counts()
+        out[table_id] = {k.replace(" ", "_"): int(n) for k, n in counts.items()}
     return out
 
 
@@ -176,6 +187,7 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
             sections, stale[name] = render_study(study, params, raw, results_root, reports_root)
         for section in sections:
             by_id.setdefault(section.table_id, []).append((name, section))
+    by_verdict = counted(by_id)
     lines = [
         "# Reports: every guide table and claim, regenerated\n",
         "Each row is a table or claim id of the performance guides, as the project's index lists them "
@@ -188,19 +200,20 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
     details = []
     for table_id, guide in guide_figures().items():
         entries = by_id.get(table_id, [])
-        if entries:
-            counts = pd.Series([v.verdict for _, s in entries for v in s.verdicts if not is_stale(v.verdict)],
-                               dtype=object).value_counts()
+        mine = by_verdict.get(table_id, [])
+        if entries or mine:
+            counts = pd.Series([v.verdict for _, v in mine], dtype=object).value_counts()
             summary = ", ".join(f"{n} {k}" for k, n in counts.items()) or "table only"
-            # one study: its section; several: each study's report (a cell stays short)
-            link = f"[{entries[0][0]}]({entries[0][0]}.md#{_anchor(entries[0][1])})" if len(entries) == 1 else \
-                ", ".join(f"[{study}]({study}.md)" for study, _ in entries)
+            # one study's section: it; else each study that judges the id (a cell stays short)
+            judges = list(dict.fromkeys([study for study, _ in entries] + [study for study, _ in mine]))
+            link = f"[{entries[0][0]}]({entries[0][0]}.md#{_anchor(entries[0][1])})" \
+                if len(entries) == 1 and judges == [entries[0][0]] else ", ".join(f"[{j}]({j}.md)" for j in judges)
             for study, section in entries:
                 details.append(f"## {table_id}: {section.title}\n\nSee [{study}]({study}.md#{_anchor(section)}).\n\n"
                                + (_verdict_table(section.verdicts) if section.verdicts else "") + "\n")
         else:
-            summary, link = "not measured yet", "-"
-        old = sorted(f"{study}@{t}" for study, _ in entries for t in stale.get(study, {}))
+            summary, link, judges = "not measured yet", "-", []
+        old = sorted(f"{study}@{t}" for study in judges for t in stale.get(study, {}))
         flag = "STALE, no verdict: " + ", ".join(old) + " (why: each study's report)" if old else "-"
         lines.append(f"| {table_id} | {guide['title']} | {guide['holds']} | {guide['hardware']} | {link} | {summary} "
                      f"| {flag} |")

@@ -1,0 +1,76 @@
+"""The verdict rules of docs/methods.md ("Verdicts"), each enforced in ``report.common`` or ``report.render`` and each
+checked here on a case the old reading got wrong."""
+
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from adaattn_pipeline.codegraph import study_code_hash
+from adaattn_pipeline.config import load_params, param_values, params_hash, validate
+from adaattn_pipeline.registry import studies
+from adaattn_pipeline.report.common import interval_text, judge, same_row, tolerance_for, use_knobs
+from adaattn_pipeline.report.render import render_all
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_an_interval_is_named_for_what_it_is():
+    """Five readings or fewer: their range, not a confidence interval; one reading: the reading alone (it read
+    "0.969 (CI 0.967-0.971) over 2 rounds" before)."""
+    assert interval_text([0.967, 0.971], unit="") == "median 0.969 (range 0.967-0.971)"
+    assert interval_text([1.5]) == "1.5x"
+    many = interval_text([1.0 + i / 100 for i in range(20)])
+    assert many.startswith("median ") and "x (CI " in many and "range" not in many
+
+
+def test_a_table_joins_on_the_whole_key():
+    """Another metric of the same measurement matches on target, case, provider and mode: two targets that share a
+    case id keep their own values (the all-reduce table showed one target's times on the other's rows)."""
+    frame = pd.DataFrame([
+        {"target": t, "case_id": "all_reduce/x2/16MiB", "provider": "all_reduce", "mode": "all_reduce",
+         "metric": m, "value": v}
+        for t, us in (("h100x2", 84.7), ("h200x2", 77.5)) for m, v in (("allreduce_us", us), ("busbw_gbps", 1.0))])
+    for _, row in frame[frame["metric"] == "busbw_gbps"].iterrows():
+        (us,) = same_row(frame, row, "allreduce_us")
+        assert us == {"h100x2": 84.7, "h200x2": 77.5}[row["target"]]
+
+
+def test_a_ratio_takes_the_ratio_tolerance_whatever_it_measures():
+    """G4-T3 is read on memory with / without checkpointing: a ratio, so 10%, not the 25% of a memory figure from
+    other hardware (a 100M row 20% over the guide's ratio read `holds` before)."""
+    from adaattn_experiments.checkpointing.report import _g4_t3
+
+    params, _ = load_params(REPO / "params.yaml")
+    claimed = 2.5 / 4.2  # the guide's 100M row
+    peak = pd.Series({("h100", "m", "none"): 1000.0, ("h100", "m", "full"): 1000.0 * claimed * 1.2})
+    with use_knobs(params.verdicts):
+        (row,) = _g4_t3("h100", "m", "H100", peak, 100.0)
+        assert tolerance_for("ratio") == params.verdicts.guide_ratio_tolerance
+        old = judge((claimed * 1.2,) * 2, (claimed, claimed), higher_is_better=False,
+                    tolerance=params.verdicts.guide_memory_tolerance)
+    assert row.verdict == "worse than claimed" and old == "holds"
+    with pytest.raises(ValueError, match="allowed: ratio, memory"):
+        tolerance_for("speed")
+
+
+def test_a_verdict_is_counted_under_the_table_it_is_about(tmp_path):
+    """The precision study shows its G2-T2 claims in its G2-T3 section: they count under G2-T2 in the index and in
+    DVC's metrics, beside the scaling study's (they counted under G2-T3 before)."""
+    _, raw = load_params(REPO / "params.yaml")
+    results, reports = tmp_path / "results", tmp_path / "reports"
+    shutil.copytree(REPO / "results" / "precision", results / "precision")
+    study = studies()["precision"]
+    for path in (results / "precision").glob("*.csv"):  # current: the rule under test, not the repository's state
+        df = pd.read_csv(path)
+        df["params_hash"] = params_hash(param_values(raw, study.param_keys(raw, path.stem)))
+        df["code_hash"] = study_code_hash("precision", study.data_deps)
+        df.to_csv(path, index=False)
+    render_all({"precision": study}, validate(raw), raw, results, reports, tmp_path / "metrics.json")
+    table = pd.read_csv(reports / "verdicts" / "precision.csv")
+    metrics = pd.read_json(tmp_path / "metrics.json")
+    for table_id in ("G2-T2", "G2-T3"):
+        assert (table["table_id"] == table_id).sum() == metrics[table_id].sum(), table_id
+    (row,) = [ln for ln in (reports / "README.md").read_text().splitlines() if ln.startswith("| G2-T2 ")]
+    assert "[precision](precision.md)" in row and "not measured yet" not in row
