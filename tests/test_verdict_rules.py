@@ -74,3 +74,23 @@ def test_a_verdict_is_counted_under_the_table_it_is_about(tmp_path):
         assert (table["table_id"] == table_id).sum() == metrics[table_id].sum(), table_id
     (row,) = [ln for ln in (reports / "README.md").read_text().splitlines() if ln.startswith("| G2-T2 ")]
     assert "[precision](precision.md)" in row and "not measured yet" not in row
+
+
+def test_a_goal_gets_its_verdict_rows_failing_or_not(tmp_path):
+    """The kernels' two goals (at least 0.97x the best peer, at least 0.9 of the copy bandwidth) are verdicts on
+    every GPU target and time, not only tables (they were tables alone before)."""
+    from adaattn_experiments.kernels.report import render
+
+    params, _ = load_params(REPO / "params.yaml")
+    df = pd.concat([pd.read_csv(p, low_memory=False) for p in sorted((REPO / "results/kernels").glob("*.csv"))])
+    with use_knobs(params.verdicts):
+        (g4_t1,) = [s for s in render(df, tmp_path) if s.table_id == "G4-T1"]
+    gpu = [t for t in df["target"].unique() if df[df["target"] == t]["cuda"].notna().any()]
+    assert gpu
+    for target in gpu:
+        hw = df[df["target"] == target]["hardware"].iloc[0]
+        mine = [v for v in g4_t1.verdicts if v.hardware == hw]
+        for goal in ("the best peer's speed at every size", "of the copy bandwidth at 64 MB and more"):
+            for time in ("time per call", "kernel time"):
+                (v,) = [v for v in mine if goal in v.claim and f"({time})" in v.claim]
+                assert v.verdict in ("holds", "worse than claimed") and "sizes x kernels below" in v.measured

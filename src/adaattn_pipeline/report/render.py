@@ -191,8 +191,8 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
     lines = [
         "# Reports: every guide table and claim, regenerated\n",
         "Each row is a table or claim id of the performance guides, as the project's index lists them "
-        "(`src/adaattn_pipeline/report/guide_figures.yaml`: the guide file, what it holds and the guide's own figures); "
-        "*verdicts* count what `dvc repro` measured on the hardware each study names. Rendered from `results/` "
+        "(`src/adaattn_pipeline/report/guide_figures.yaml`: the guide file, what it holds and the guide's own "
+        "figures); *verdicts* count what `dvc repro` measured on the hardware each study names. Rendered from `results/` "
         "only.\n",
         "| id | guide table | what it holds | guide hardware | study | verdicts | stale results |",
         "|---|---|---|---|---|---|---|",
