@@ -60,7 +60,7 @@ def test_the_ladder_runs_every_rung_from_the_same_weights(tmp_path):
     assert (df[df.metric == "step_peak_mem_mb"].value > 0).all() and (df[df.metric == "model_flops"].value > 0).all()
     t1, c1, g1 = render(df, tmp_path)
     assert "+checkpointing" in t1.markdown and {v.verdict for v in t1.verdicts} == {"not measurable here"}
-    assert [v.claim for v in c1.verdicts] == ["SDPA 10-15x faster than naive attention (whole training step)"]
+    assert c1.verdicts == []  # no compile rung here; SDPA's op claim is attention_backends' (test_verdict_rules.py)
     # G1-C1: TF32 is a GPU's (a row that says so); nn.MultiheadAttention against SDPA, forward and training call
     pairs = df[(df.table_id == "G1-C1") & (df.metric == "side_by_side_ms")]
     assert pairs[pairs.provider == "tf32"].status.tolist() == ["unavailable"]

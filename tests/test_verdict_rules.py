@@ -94,3 +94,18 @@ def test_a_goal_gets_its_verdict_rows_failing_or_not(tmp_path):
             for time in ("time per call", "kernel time"):
                 (v,) = [v for v in mine if goal in v.claim and f"({time})" in v.claim]
                 assert v.verdict in ("holds", "worse than claimed") and "sizes x kernels below" in v.measured
+
+
+def test_one_claim_one_verdict_on_one_machine():
+    """SDPA's "10-15x faster than naive attention" is the attention op's claim: the attention_backends study judges
+    it; the training study's whole-step gain from its sdpa rung is a table entry, not a second verdict on another
+    reading of the same claim (it was "worse than claimed" there beside "not measurable here" on the same CPU)."""
+    from adaattn_experiments.training.report import _g0_c1
+
+    step = pd.DataFrame({"value": {("h100", "naive"): 2.0, ("h100", "sdpa"): 1.0, ("h100", "compile"): 0.8}})
+    verdicts = _g0_c1("h100", "H100", step, ["naive", "sdpa", "compile"], cpu=False)
+    assert [v.claim for v in verdicts] == ["torch.compile 10-30% more (whole training step)"]
+    table = pd.concat([pd.read_csv(REPO / f"reports/verdicts/{s}.csv").assign(study=s)
+                       for s in ("attention_backends", "training")])
+    sdpa = table[table["claim"].str.startswith("SDPA 10-15x faster than naive attention")]
+    assert set(sdpa["study"]) <= {"attention_backends"}
