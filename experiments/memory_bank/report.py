@@ -36,8 +36,10 @@ COMPONENTS = [
     ("memory monitor", "BatchProcessor.stats (a GPU's peak a batch), bench/memory.py (any device)",
      "tests/test_serving.py", "every study's peak-memory rows"),
     ("throughput tracker (live progress)", "models/serving.py, ThroughputTracker", "tests/test_serving.py", None),
+    ("data and tensor parallelism (DDP, FSDP2, TP)", "distributed/parallel.py, train.py, decode.py",
+     "tests/test_distributed.py", "distributed (G3-T2, G3-T3)"),
 ]
-PARALLEL = "DDP / tensor / pipeline parallelism"
+PARALLEL = "pipeline parallelism"
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
@@ -51,7 +53,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
 
 def _components() -> Section:
     """G3-C1: each component the guide lists, where it is built, the tests that check it, the studies that measure
-    it; parallelism is the distributed issue's."""
+    it."""
     rows = [{"component": name, "built in": where, "checked by": tests, "measured by": measured or "-"}
             for name, where, tests, measured in COMPONENTS]
     rows.append({"component": PARALLEL, "built in": "-", "checked by": "-", "measured by": "-"})
@@ -59,7 +61,8 @@ def _components() -> Section:
                         f"checked by {tests}" + (f"; measured by {measured}" if measured else ""))
                 for name, where, tests, measured in COMPONENTS]
     verdicts.append(Verdict("G3-C1", PARALLEL, "a component", "-", "any", "not measured yet",
-                            "torch.distributed under torchrun: the distributed issue (49)"))
+                            "not built: adaattn.distributed lays a model over data and tensor parallel ranks, with no "
+                            "pipeline-parallel schedule"))
     md = ("Guide 003's components, each where it is built, what checks it (CI, on the CPU) and which study "
           "measures it.\n\n" + md_table(pd.DataFrame(rows)) + "\n")
     return Section("G3-C1", "Components (memory bank, checkpointing, mixed precision, INT8, KV cache, serving)", md,
