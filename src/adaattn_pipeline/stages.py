@@ -38,8 +38,9 @@ def _item_keys(study: Any, raw: dict, targets: Mapping[str, str]) -> list[str]:
     keys: list[str] = []
     for target, profile in targets.items():
         for key in study.param_keys(raw, target):
-            key = key.replace(f"targets.{target}", "targets.${key}")
-            if key.endswith(f".{profile}") and not key.startswith("models."):
+            if key == f"targets.{target}":
+                key = "targets.${key}"
+            elif key.endswith(f".{profile}") and not key.startswith("models."):
                 key = key[: -len(profile)] + "${item}"
             keys.append(key)
     return list(dict.fromkeys(keys))

@@ -36,7 +36,8 @@ def staleness(study: Any, params: Params, raw: dict, df: pd.DataFrame) -> dict[s
     for _, row in df.drop_duplicates("target").iterrows():
         target = row["target"]
         if target not in params.targets or target not in own:
-            out[target] = f"{target} is no longer a target of study_targets.{study.name}"
+            out[target] = (f"re-measure on {row['hardware']}: {target} is no longer a target of "
+                           f"study_targets.{study.name}")
             continue
         changed = [what for what, now, then in (
             ("params", params_hash(param_values(raw, study.param_keys(raw, target))), row["params_hash"]),
