@@ -160,20 +160,14 @@ def median_interval(values: Iterable[float]) -> tuple[float, float, float]:
 def interval_text(values: Iterable[float], unit: str = "x", digits: int = 3) -> str:
     """The readings' median with what bounds it (``median_interval``), named for what it is: past five readings
     the median's 95% confidence interval ("CI"), two to five their range ("range"), one the reading alone."""
+    from adaattn.timing.rounds import median_ci
+
     v = [x for x in values if not math.isnan(x)]
     med, lo, hi = median_interval(v)
     if len(v) <= 1:
         return f"{med:.{digits}g}{unit}"
-    kind = "CI" if math.isfinite(median_ci_width(v)) else "range"
+    kind = "CI" if math.isfinite(median_ci(sorted(v))[0]) else "range"  # median_interval fell back to the range
     return f"median {med:.{digits}g}{unit} ({kind} {lo:.{digits}g}-{hi:.{digits}g})"
-
-
-def median_ci_width(values: list[float]) -> float:
-    """The width of the readings' median's confidence interval; inf where they are too few for one."""
-    from adaattn.timing.rounds import median_ci
-
-    lo, hi = median_ci(sorted(values))
-    return hi - lo
 
 
 def same_row(frame: pd.DataFrame, row: pd.Series | dict, metric: str, keys: tuple[str, ...] = ROW_KEY) -> pd.Series:
