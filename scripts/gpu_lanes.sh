@@ -7,14 +7,14 @@
 #   DEADLINE_S=540 LOGS=$OUT/logs bash scripts/gpu_lanes.sh h100 "kernels precision" "rank" "scaling ccgqa"
 #
 # Each study runs `adaattn run <study> --target <target>`, the command of its DVC stage; lanes.txt says how each
-# ended and how long it took.
+# ended and how long it took. SLOTS=4 with three lanes leaves the last GPU and its share of the cores to other work.
 set -u
 target=$1
 shift
 end=$(($(date +%s) + ${DEADLINE_S:-540}))
 logs=${LOGS:-logs}
 mkdir -p "$logs"
-per=$(($(nproc) / $#))
+per=$(($(nproc) / ${SLOTS:-$#}))
 gpu=0
 for lane in "$@"; do
   (

@@ -2,6 +2,7 @@
 rank estimation and the rank policy, chunked and Nyström paths, argument errors (the kernel manager:
 test_kernel_manager.py)."""
 
+import inspect
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from torch import nn
 
 from adaattn.attention.ada import AdaAttention
 from adaattn.attention.backends import BACKENDS
+from adaattn.attention.flash_attention import AdaptiveFlashAttention
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.precision import PrecisionPolicy
@@ -134,7 +136,7 @@ def test_projections_read_the_current_parameters():
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 def test_gqa_cross_attention_vs_float64(kv_heads):
     torch.manual_seed(1)
-    ada = AdaAttention(E, H, num_kv_heads=kv_heads, kdim=20, vdim=24, rank_mode="full",
+    ada = AdaAttention(E, H, batch_first=True, num_kv_heads=kv_heads, kdim=20, vdim=24, rank_mode="full",
                        kernel_manager=AttentionKernelManager())
     B, L, S, hd = 3, 7, 19, E // H
     q, k, v = torch.randn(B, L, E), torch.randn(B, S, 20), torch.randn(B, S, 24)
@@ -197,8 +199,30 @@ def test_bad_arguments_are_rejected(kw, match):
         AdaAttention(**args)
 
 
+@pytest.mark.parametrize("cls", [AdaAttention, AdaptiveFlashAttention])
+def test_defaults_are_multihead_attentions(cls):
+    # a drop-in keeps nn.MultiheadAttention's defaults: sequence-first code gets the same result unchanged
+    ours, theirs = (inspect.signature(c.__init__).parameters for c in (cls, nn.MultiheadAttention))
+    shared = sorted(set(ours) & set(theirs) - {"self", "embed_dim", "num_heads"})
+    assert "batch_first" in shared
+    assert {n: ours[n].default for n in shared} == {n: theirs[n].default for n in shared}
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H)
+    ada = cls(E, H)
+    ada.load_state_dict(mha.state_dict())
+    x = torch.randn(7, 2, E)  # (L, B, E)
+    torch.testing.assert_close(ada(x, x, x, need_weights=False)[0], mha(x, x, x, need_weights=False)[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_of_another_dtype_than_the_module_are_named():
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    with pytest.raises(ValueError, match="must have the module's dtype torch.float32.*got torch.float64"):
+        AdaAttention(E, H, batch_first=True, kernel_manager=AttentionKernelManager())(x, x, x)
+
+
 def test_bad_shapes_are_rejected():
-    ada = AdaAttention(E, H, kernel_manager=AttentionKernelManager())
+    ada = AdaAttention(E, H, batch_first=True, kernel_manager=AttentionKernelManager())
     x = torch.randn(2, 5, E)
     with pytest.raises(ValueError, match="attn_mask"):
         ada(x, x, x, attn_mask=torch.zeros(4, 5, dtype=torch.bool))
@@ -217,7 +241,8 @@ def test_bad_shapes_are_rejected():
 def test_ada_attention_on_cuda_auto_precision():
     torch.manual_seed(6)
     mha = nn.MultiheadAttention(256, 4, batch_first=True, device="cuda")
-    ada = AdaAttention(256, 4, rank_mode="full", kernel_manager=AttentionKernelManager(), device="cuda")
+    ada = AdaAttention(256, 4, batch_first=True, rank_mode="full", kernel_manager=AttentionKernelManager(),
+                       device="cuda")
     ada.load_state_dict(mha.state_dict())
     x = torch.randn(2, 512, 256, device="cuda")
     for kw in [{}, {"key_padding_mask": torch.rand(2, 512, device="cuda") < 0.1}]:
@@ -231,7 +256,8 @@ def test_ada_attention_on_cuda_auto_precision():
 def test_a_reduced_compute_dtype_returns_the_projections_dtype():
     """fp32 parameters computing attention in bf16 (as auto precision does on a GPU): the output projection gets
     fp32 back, eager and compiled."""
-    ada = AdaAttention(E, H, precision_mode="bf16", rank_mode="full", kernel_manager=AttentionKernelManager())
+    ada = AdaAttention(E, H, batch_first=True, precision_mode="bf16", rank_mode="full",
+                       kernel_manager=AttentionKernelManager())
     x = torch.randn(2, 8, E)
     out, _ = ada(x, x, x, need_weights=False)
     assert out.dtype == torch.float32 and ada.get_statistics()["precisions"] == {"bfloat16": 1}

@@ -112,10 +112,11 @@ def test_rank_modes_pick_the_path():
     x = torch.randn(1, 1024, E)
     for mode, method, expect in [("full", "auto", "full"), (16, "auto", "low-rank nystrom 16"),
                                  (16, "nystrom", "low-rank nystrom 16"), (16, "pooled", "low-rank pooled 16")]:
-        ada = AdaAttention(E, H, rank_mode=mode, low_rank_method=method, kernel_manager=AttentionKernelManager())
+        ada = AdaAttention(E, H, batch_first=True, rank_mode=mode, low_rank_method=method,
+                           kernel_manager=AttentionKernelManager())
         ada(x, x, x, need_weights=False)
         assert ada.get_statistics()["ranks"] == {expect: 1}
-    ada = AdaAttention(E, H, rank_mode=16, kernel_manager=AttentionKernelManager())
+    ada = AdaAttention(E, H, batch_first=True, rank_mode=16, kernel_manager=AttentionKernelManager())
     ada(x, x, x, is_causal=True, need_weights=False)  # no masked low-rank path: exact, and said so
     stats = ada.get_statistics()
     assert stats["ranks"] == {"full": 1} and stats["low_rank_skipped"]
@@ -123,7 +124,7 @@ def test_rank_modes_pick_the_path():
     # Nyström error on the sampled rows is too high: exact, and the reason is recorded; tokens 10x
     # larger make peaked rows (a high estimate): exact without trying
     for scale, tried in [(1, True), (10, False)]:
-        auto = AdaAttention(E, H, rank_mode="auto", kernel_manager=AttentionKernelManager())
+        auto = AdaAttention(E, H, batch_first=True, rank_mode="auto", kernel_manager=AttentionKernelManager())
         auto(x * scale, x * scale, x * scale, need_weights=False)
         stats = auto.get_statistics()
         assert "full" in stats["ranks"] and any(r.startswith("estimated") for r in stats["ranks"]), stats["ranks"]
@@ -173,7 +174,7 @@ def test_rank_policy_tries_the_pooled_path_first():
     # the module: the same choice, and the reason when neither path passes
     x = torch.randn(1, 1024, E)
     for method, tried in [("auto", ["pooled", "nystrom"]), ("pooled", ["pooled"])]:
-        ada = AdaAttention(E, H, rank_mode="auto", low_rank_method=method, min_low_rank_len=512,
+        ada = AdaAttention(E, H, batch_first=True, rank_mode="auto", low_rank_method=method, min_low_rank_len=512,
                            kernel_manager=AttentionKernelManager())
         ada(x, x, x, need_weights=False)
         (why,) = ada.get_statistics()["low_rank_skipped"]
@@ -207,7 +208,7 @@ def test_rank_policy_takes_a_low_rank_path_only_where_it_is_faster():
 def _low_rank_module(**kw) -> tuple[AdaAttention, torch.Tensor]:
     """A module whose projections are identities (q = k = v = x) and an input of 8 contiguous clusters: its
     attention has rank 8 in every head, and a low-rank path passes the policy's error check."""
-    ada = AdaAttention(E, H, rank_mode="auto", min_low_rank_len=512, **kw)
+    ada = AdaAttention(E, H, batch_first=True, rank_mode="auto", min_low_rank_len=512, **kw)
     with torch.no_grad():
         ada.in_proj_weight.copy_(torch.eye(E).repeat(3, 1))
         ada.in_proj_bias.zero_()
@@ -306,7 +307,8 @@ def test_pooled_attention_is_exact_on_keys_equal_within_segments(monkeypatch):
 
 def test_setting_a_rank_policy_attribute_drops_its_cached_choices():
     x = torch.randn(1, 1024, E)
-    ada = AdaAttention(E, H, rank_mode="auto", min_low_rank_len=512, kernel_manager=AttentionKernelManager())
+    ada = AdaAttention(E, H, batch_first=True, rank_mode="auto", min_low_rank_len=512,
+                       kernel_manager=AttentionKernelManager())
     ada(x, x, x, need_weights=False)
     assert ada._rank_choice
     ada.low_rank_method = "pooled"

@@ -97,7 +97,7 @@ from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import build_model
 from adaattn.models.generate import generate, setup_kv_cache
 import adaattn.distributed.train, adaattn.distributed.decode, adaattn.models.serving
-attn = AdaAttention(32, 4)
+attn = AdaAttention(32, 4, batch_first=True)
 attn(torch.randn(1, 8, 32), torch.randn(1, 8, 32), torch.randn(1, 8, 32))
 rms_norm(torch.randn(2, 16), torch.ones(16))
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in

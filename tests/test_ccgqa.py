@@ -66,7 +66,7 @@ def test_bad_sweeps_name_the_key(update, message):
         _params(update)
 
 
-def test_each_compile_mode_is_a_pair_of_its_own_and_the_goal_reads_the_last(monkeypatch, tmp_path):
+def test_each_compile_mode_is_a_pair_of_its_own_with_its_own_verdict(monkeypatch, tmp_path):
     import torch
 
     from adaattn_experiments.ccgqa.study import STUDY
@@ -88,5 +88,7 @@ def test_each_compile_mode_is_a_pair_of_its_own_and_the_goal_reads_the_last(monk
                                                                 "sdpa_gqa:reduce-overhead"]
     (section,) = render(df, tmp_path)
     assert "| reduce-overhead" in section.markdown and "| default" in section.markdown
-    (goal,) = section.verdicts
-    assert goal.reason.startswith("ccgqa:reduce-overhead / sdpa_gqa:reduce-overhead")
+    eager, default, reduce = section.verdicts
+    assert default.reason.startswith("the goal's pair (verdicts.ccgqa_mode): ccgqa:default / sdpa_gqa:default")
+    assert eager.reason.startswith("a pair beside the goal's: ccgqa / sdpa_gqa")
+    assert reduce.claim.endswith(", reduce-overhead)")

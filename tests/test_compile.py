@@ -37,7 +37,8 @@ def _masks(B, S):
                                            (2, "none"), (2, "padding+causal")])
 def test_compiles_whole_forward_and_backward_and_matches_eager(kv_heads, mask):
     torch.manual_seed(0)
-    ada = AdaAttention(E, H, num_kv_heads=kv_heads, rank_mode="full", kernel_manager=AttentionKernelManager())
+    ada = AdaAttention(E, H, batch_first=True, num_kv_heads=kv_heads, rank_mode="full",
+                       kernel_manager=AttentionKernelManager())
     kw = _masks(2, 16)[mask]
 
     def f(x):
@@ -56,7 +57,7 @@ def test_compiles_whole_forward_and_backward_and_matches_eager(kv_heads, mask):
 
 def test_a_new_shape_recompiles_per_signature_without_an_error():
     """dynamo marks a size dynamic on the second shape; the module specialises it (a signature is per shape)."""
-    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=AttentionKernelManager())
+    ada = AdaAttention(E, H, batch_first=True, rank_mode="full", kernel_manager=AttentionKernelManager())
     f = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], fullgraph=True, backend="eager")
     with torch.no_grad():
         for S in (16, 24, 40):
@@ -81,7 +82,8 @@ def test_a_compiled_module_runs_the_tuned_backend_and_the_default_without_one(mo
     run = BACKENDS["math"].run
     monkeypatch.setitem(BACKENDS, "math", BACKENDS["math"].__class__("math", spy, BACKENDS["math"].why_not))
     x = torch.randn(2, 16, E)
-    ada = AdaAttention(E, H, rank_mode="auto", kernel_manager=AttentionKernelManager(backends=["math", DEFAULT]))
+    ada = AdaAttention(E, H, batch_first=True, rank_mode="auto",
+                       kernel_manager=AttentionKernelManager(backends=["math", DEFAULT]))
     compiled = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend=keep, fullgraph=True)
     with torch.no_grad():
         compiled(x)
@@ -108,12 +110,12 @@ def test_an_undecided_signature_traces_its_default_plan_once():
     from torch._dynamo.testing import CompileCounter
 
     counter, manager = CompileCounter(), AttentionKernelManager(backends=["math", DEFAULT])
-    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=manager)
+    ada = AdaAttention(E, H, batch_first=True, rank_mode="full", kernel_manager=manager)
     compiled = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend=counter, fullgraph=True)
     x = torch.randn(2, 16, E)
     with torch.no_grad():
         compiled(x)
-        AdaAttention(E, H, rank_mode="full", kernel_manager=manager).tune(x, grad=False)
+        AdaAttention(E, H, batch_first=True, rank_mode="full", kernel_manager=manager).tune(x, grad=False)
         assert manager.rankings
         compiled(x)
         assert counter.frame_count == 1
@@ -130,7 +132,7 @@ def test_a_forced_sdpa_backend_that_sdpa_picks_anyway_is_traced_as_sdpas_own_cal
     assert traced_name("sdpa_math", q, q, None, False, None) == "sdpa_math"
     assert traced_name("math", q, q, None, True, None) == "math"
     manager = AttentionKernelManager(backends=["sdpa_flash"])
-    tuned, untuned = (AdaAttention(E, H, rank_mode="full", kernel_manager=manager) for _ in range(2))
+    tuned, untuned = (AdaAttention(E, H, batch_first=True, rank_mode="full", kernel_manager=manager) for _ in range(2))
     x = torch.randn(2, 16, E)
     graphs = []
 
@@ -149,7 +151,8 @@ def test_a_forced_sdpa_backend_that_sdpa_picks_anyway_is_traced_as_sdpas_own_cal
 
 
 def test_tune_decides_both_grad_modes_and_rejects_bad_arguments():
-    ada = AdaAttention(E, H, rank_mode="full", kernel_manager=AttentionKernelManager(backends=["sdpa", "math"]))
+    ada = AdaAttention(E, H, batch_first=True, rank_mode="full",
+                       kernel_manager=AttentionKernelManager(backends=["sdpa", "math"]))
     x = torch.randn(1, 8, E)
     decided = ada.tune(x)
     assert len(decided) == 2 and {k.split("|")[-2] for k in decided} == {"0", "1"}  # inference and training
@@ -172,7 +175,7 @@ def test_tune_shapes_fill_the_cache_that_a_compiled_model_reads(tmp_path, monkey
     entries = json.loads(path.read_text())["entries"]
     assert set(entries) == {r["signature"] for r in rows}
     reader = AttentionKernelManager(cache_path=path)
-    ada = AdaAttention(E, H, precision_mode="fp32", rank_mode="full", kernel_manager=reader)
+    ada = AdaAttention(E, H, batch_first=True, precision_mode="fp32", rank_mode="full", kernel_manager=reader)
     x = torch.randn(2, 16, E)
     with torch.no_grad():
         torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend="eager", fullgraph=True)(x)
@@ -249,7 +252,8 @@ def test_compiles_whole_on_cuda_in_every_mode(mode):
     cases = [(4, "none"), (4, "padding"), (2, "causal")] if mode != "max-autotune-no-cudagraphs" else [(2, "padding")]
     for kv_heads, mask in cases:
         torch._dynamo.reset()
-        ada = AdaAttention(256, 4, num_kv_heads=kv_heads, rank_mode="full", kernel_manager=AttentionKernelManager(),
+        ada = AdaAttention(256, 4, batch_first=True, num_kv_heads=kv_heads, rank_mode="full",
+                           kernel_manager=AttentionKernelManager(),
                            device=dev, dtype=torch.bfloat16)
         kw = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in _masks(B, S)[mask].items()}
         x = torch.randn(B, S, 256, device=dev, dtype=torch.bfloat16)

@@ -79,7 +79,7 @@ def test_bad_dtype_lists_allowed(raw):
 
 def test_seq_len_must_divide_tokens(raw):
     raw["G1-T1"]["cpu"]["seq_lens"] = [300]
-    assert "do not divide tokens" in _error(raw)
+    assert "must divide tokens" in _error(raw)
 
 
 def test_cuda_target_needs_gpu_name(raw):
@@ -171,3 +171,16 @@ def test_config_checks_names_without_importing_what_runs_them():
     assert tuple(PROVIDERS) == ATTENTION_PROVIDERS and tuple(BACKENDS) == BACKEND_NAMES
     with pytest.raises(RuntimeError, match="change both"):
         check_registry({"sdpa": None}, ("sdpa", "flex"), "attention provider")
+
+
+def test_a_one_off_override_never_replaces_the_committed_results(repo, tmp_path, monkeypatch):
+    """`adaattn run ... --set` wrote over the tracked results/<study>/<target>.csv; now it names where, or stops."""
+    from typer.testing import CliRunner
+
+    from adaattn_pipeline.cli import build_app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(build_app(), ["run", "precision", "--target", "cpu", "--set",
+                                              "G2-T3.cpu.batch=1", "--params", str(repo / "params.yaml")])
+    assert result.exit_code != 0 and "--results DIR" in result.output
+    assert not (tmp_path / "results").exists()

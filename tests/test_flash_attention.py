@@ -25,7 +25,7 @@ from adaattn.attention.reference import attention_ref
 def _pair(**fields) -> tuple[AdaptiveFlashAttention, nn.MultiheadAttention]:
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(64, 4, batch_first=True)
-    attn = AdaptiveFlashAttention(embed_dim=64, num_heads=4, **fields)
+    attn = AdaptiveFlashAttention(batch_first=True, embed_dim=64, num_heads=4, **fields)
     attn.load_state_dict(mha.state_dict())
     return attn, mha
 
@@ -52,7 +52,7 @@ def test_adaptive_flash_attention_as_the_guide_calls_it():
 
 def test_adaptive_flash_attention_takes_a_config_and_overrides_it():
     config = FlashAttentionConfig(precision_mode="fp32", backends=["sdpa"])
-    attn = AdaptiveFlashAttention(64, 4, config, rank_mode="auto")
+    attn = AdaptiveFlashAttention(64, 4, config, batch_first=True, rank_mode="auto")
     assert attn.config == FlashAttentionConfig(precision_mode="fp32", rank_mode="auto", backends=("sdpa",))
     assert attn.rank_mode == "auto" and attn.precision.mode == "fp32"
     assert attn.manager.backends == ["sdpa"] and attn.manager is config.manager()  # one manager per config

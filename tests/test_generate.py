@@ -87,6 +87,8 @@ def test_generation_checks_the_cache():
     setup_kv_cache(model, batch=2, max_seq_len=8)
     with pytest.raises(ValueError, match=r"does not fit the cache \(batch 2, max_seq_len 8\)"):
         generate(model, _prompt(), 4)
+    with pytest.raises(ValueError, match=r"prompt must be token ids \(B, P\); got shape \(5,\)"):
+        generate(model, _prompt()[0], 1)
     with pytest.raises(ValueError, match="over the config's 24"):
         setup_kv_cache(_model(positions="learned"), batch=1, max_seq_len=64)
 

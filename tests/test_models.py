@@ -265,6 +265,8 @@ def test_accumulated_micro_batches_make_the_whole_batchs_step():
     torch.testing.assert_close(weights[2], weights[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="micro_batches=3 must be a positive int dividing the batch"):
         trainer.train_step(tokens, micro_batches=3)
+    with pytest.raises(ValueError, match=r"batch must be tokens \(B, S \+ 1\).*got shape \(17,\)"):
+        trainer.train_step(tokens[0])
 
 
 def test_optimize_says_what_it_set_and_keeps_the_models_parameters():

@@ -109,3 +109,36 @@ def test_one_claim_one_verdict_on_one_machine():
                        for s in ("attention_backends", "training")])
     sdpa = table[table["claim"].str.startswith("SDPA 10-15x faster than naive attention")]
     assert set(sdpa["study"]) <= {"attention_backends"}
+
+
+def test_every_mode_gets_its_verdict_and_the_goal_means_the_filed_one(tmp_path):
+    """CCGQA's goal failed in the default compile mode, then was read on "the last mode's pair", where it held:
+    now every pair measured (eager and each compile mode) is a verdict of its own, and the one the goal means is
+    the pair params.yaml files (`verdicts.ccgqa_mode`), whatever the sweep's order."""
+    from adaattn_experiments.ccgqa.report import render
+
+    params, raw = load_params(REPO / "params.yaml")
+    df = pd.read_csv(REPO / "results/ccgqa/h100.csv")
+    shapes = df[df["case_id"] != "machine"].groupby(["model", "seq_len"]).ngroups
+    for mode in ("default", "reduce-overhead"):
+        knobs = params.verdicts.model_copy(update={"ccgqa_mode": mode})
+        with use_knobs(knobs):
+            (section,) = render(df, tmp_path)
+        assert len(section.verdicts) == 3 * shapes  # eager, default, reduce-overhead
+        filed = [v for v in section.verdicts if "the goal's pair" in v.reason]
+        assert len(filed) == shapes and all(v.claim.endswith(f", {mode})") for v in filed)
+    raw["verdicts"]["ccgqa_mode"] = "max-autotune"  # a mode the sweep does not measure
+    with pytest.raises(Exception, match="verdicts.ccgqa_mode='max-autotune' is not a pair G4-C1.gpu measures"):
+        validate(raw)
+
+
+def test_a_bf16_goal_is_judged_on_bf16_configs():
+    """llama_1b's 60% MFU goal is a bf16 goal: FP8 linears counted against the bf16 GEMM rate met it where no bf16
+    config did. The goal reads the best bf16 config; an fp8 config's MFU is against the FP8 rate of the same run."""
+    from adaattn_experiments.mfu.report import _goals
+
+    params, _ = load_params(REPO / "params.yaml")
+    ratios = pd.DataFrame(columns=["target", "case_id", "vs", "ci_low", "ci_high"])
+    with use_knobs(params.verdicts):
+        mfu = _goals("h100", "c", "llama_1b", "H100", "fp8", ("kernels", 0.56), 800.0, ratios, cpu=False)[0]
+    assert mfu.measured == "56.0% (kernels)" and mfu.verdict == "worse than claimed"

@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import Field, PositiveInt, field_validator
 
 from adaattn.names import ATTENTION_PROVIDERS as PROVIDERS
-from adaattn_pipeline.config import ByProfile, DType, Mode
+from adaattn_pipeline.config import ByProfile, DType, Mode, check_divides, check_names
 from adaattn_pipeline.config import Section as _Section
 
 ProviderName = str
@@ -21,12 +21,7 @@ class _AttentionCommon(_Section):
     @field_validator("providers")
     @classmethod
     def _known_providers(cls, v: list[str]) -> list[str]:
-        unknown = [p for p in v if p not in PROVIDERS]
-        if unknown:
-            raise ValueError(f"unknown provider(s) {unknown}; allowed: {', '.join(PROVIDERS)}")
-        if len(set(v)) != len(v):
-            raise ValueError("providers must not repeat")
-        return v
+        return check_names(v, PROVIDERS, "provider(s)")
 
 
 class G1T2Shape(_AttentionCommon):
@@ -39,10 +34,7 @@ class G1T2Shape(_AttentionCommon):
     @field_validator("heads")
     @classmethod
     def _divides(cls, v: int, info) -> int:
-        d_model = info.data.get("d_model")
-        if d_model is not None and d_model % v:
-            raise ValueError(f"heads={v} must divide d_model={d_model}")
-        return v
+        return check_divides([v], info.data.get("d_model"), "heads", "d_model")[0]
 
 
 class G1T1Sweep(_AttentionCommon):
@@ -56,20 +48,12 @@ class G1T1Sweep(_AttentionCommon):
     @field_validator("seq_lens")
     @classmethod
     def _divides_tokens(cls, v: list[int], info) -> list[int]:
-        tokens = info.data.get("tokens")
-        bad = [s for s in v if tokens is not None and tokens % s]
-        if bad:
-            raise ValueError(f"seq_lens {bad} do not divide tokens={tokens}")
-        return v
+        return check_divides(v, info.data.get("tokens"), "seq_lens", "tokens")
 
     @field_validator("head_dims")
     @classmethod
     def _head_dims_divide(cls, v: list[int], info) -> list[int]:
-        d_model = info.data.get("d_model")
-        bad = [d for d in v if d_model is not None and d_model % d]
-        if bad:
-            raise ValueError(f"head_dims {bad} do not divide d_model={d_model}")
-        return v
+        return check_divides(v, info.data.get("d_model"), "head_dims", "d_model")
 
 
 class G1T2Section(ByProfile):

@@ -17,8 +17,8 @@ class CcgqaSweep(_Section):
     models: Annotated[list[str], Field(min_length=1)]  # presets of `models` with attention ccgqa
     seq_lens: Annotated[list[PositiveInt], Field(min_length=1)]
     tokens: PositiveInt
-    # torch.compile modes, each mode's pair timed side by side apart from the eager pair; the goal is read on
-    # the last (reduce-overhead: CUDA graphs take the host's launch work off a small layer); [] = eager only
+    # torch.compile modes, each mode's pair timed side by side apart from the eager pair; each pair gets its own
+    # verdict, and the goal means the one verdicts.ccgqa_mode names; [] = eager only
     compile_modes: list[Literal["default", "reduce-overhead", "max-autotune"]] = ["default", "reduce-overhead"]
     dtype: Literal["bf16", "fp32"] = "bf16"
     side_by_side: Rounds
@@ -43,7 +43,13 @@ SECTIONS = {"G4-C1": G4C1Section}
 
 
 def check(params) -> None:
-    """G4-C1's presets exist and have CCGQA attention (a layer, not the model: its lengths may pass max_seq_len)."""
+    """G4-C1's presets exist and have CCGQA attention (a layer, not the model: its lengths may pass max_seq_len);
+    the pair the goal means (verdicts.ccgqa_mode) is one the GPU sweep measures."""
+    gpu = params.g4_c1.gpu if params.g4_c1 else None
+    mode = params.verdicts.ccgqa_mode
+    if gpu is not None and mode not in ("eager", *gpu.compile_modes):
+        raise ValueError(f"verdicts.ccgqa_mode={mode!r} is not a pair G4-C1.gpu measures; allowed: "
+                         f"{', '.join(('eager', *gpu.compile_modes))}")
     for profile in ("cpu", "gpu"):
         run = getattr(params.g4_c1, profile, None) if params.g4_c1 else None
         for name in run.models if run else ():

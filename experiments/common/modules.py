@@ -192,7 +192,8 @@ class ModuleStudy(StudyDef):
             kwargs = dict(precision_mode="auto", rank_mode="auto")
         elif provider == "adaattn_noopt":
             kwargs["enable_gpu_optimization"] = False
-        ada = AdaAttention(c["embed_dim"], c["heads"], kernel_manager=self._manager(), device=self.device,
+        ada = AdaAttention(c["embed_dim"], c["heads"], batch_first=True, kernel_manager=self._manager(),
+                           device=self.device,
                            dtype=DTYPES[c["dtype"]], **kwargs)
         ada.load_state_dict(mha.state_dict())
         return _Direct(ada, provider.removeprefix("direct:")) if provider.startswith("direct:") else ada

@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator
 
 from adaattn.names import BACKENDS
-from adaattn_pipeline.config import DType, Mode, Rounds, check_names
+from adaattn_pipeline.config import DType, Mode, Rounds, check_divides, check_names
 from adaattn_pipeline.config import Section as _Section
 
 # Whole attention modules (projections + attention + output projection), compared in
@@ -42,10 +42,7 @@ class ModuleCommon(_Section):
     @field_validator("heads")
     @classmethod
     def _heads_divide(cls, v: int, info) -> int:
-        e = info.data.get("embed_dim")
-        if e is not None and e % v:
-            raise ValueError(f"heads={v} must divide embed_dim={e}")
-        return v
+        return check_divides([v], info.data.get("embed_dim"), "heads", "embed_dim")[0]
 
     @field_validator("providers")
     @classmethod

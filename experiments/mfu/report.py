@@ -14,34 +14,41 @@ GB = 2**20 / 1e9  # MiB -> GB
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     runs = df[df["case_id"] != "machine"]
-    gemm = df[(df["case_id"] == "machine") & (df["metric"] == "gemm_tflops")].set_index("target")["value"]
+    machine = df[df["case_id"] == "machine"]
+    rates = {name: machine[machine["metric"] == metric].set_index("target")["value"]
+             for name, metric in (("bf16", "gemm_tflops"), ("fp8", "fp8_gemm_tflops"))}
     ratios, cpus = paired_frame(runs), cpu_targets(df)
     table, verdicts = [], []
     for (target, case_id), frame in runs.groupby(["target", "case_id"], sort=False):
         hw, model = frame["hardware"].iloc[0], frame["model"].iloc[0]
         tokens = int(frame["batch"].iloc[0] * frame["seq_len"].iloc[0])
         at = frame[frame["status"] == "ok"].set_index(["metric", "provider"])["value"]
-        flops, rate = at.get(("model_flops", "model")), gemm.get(target)
+        flops = at.get(("model_flops", "model"))
         step = frame[frame["metric"] == "side_by_side_ms"]
-        best, best_mfu, bf16_mfu = None, None, None
+        fastest, bf16_best = None, None  # (config, ms), (config, MFU)
         for _, row in step.iterrows():
             config, ms = row["provider"], row["value"] if row["status"] == "ok" else None
+            # like with like: each config against the GEMM rate of its own precision, measured in this run
+            basis = "fp8" if config == "fp8" else "bf16"
+            rate = rates[basis].get(target)
             mfu = flops / (ms / 1e3) / (rate * 1e12) if ms and flops and rate else None
             r = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id) & (ratios["vs"] == config)]
             r = r.iloc[0].to_dict() if len(r) else None
-            if mfu is not None and (best_mfu is None or mfu > best_mfu):
-                best, best_mfu = config, mfu
-            if mfu is not None and config != "fp8" and (bf16_mfu is None or mfu > bf16_mfu[1]):
-                bf16_mfu = config, mfu
+            if ms and (fastest is None or ms < fastest[1]):
+                fastest = config, ms
+            if mfu is not None and basis == "bf16" and (bf16_best is None or mfu > bf16_best[1]):
+                bf16_best = config, mfu
             table.append({"target": target, "model": model, "B x S": f"{int(frame['batch'].iloc[0])} x "
                           f"{int(frame['seq_len'].iloc[0])}", "config": config, "step ms": fmt(ms),
-                          "tokens/s": fmt(tokens / ms * 1e3 if ms else None), "MFU (measured GEMM)": fmt(mfu),
+                          "tokens/s": fmt(tokens / ms * 1e3 if ms else None), "MFU": fmt(mfu),
+                          "GEMM rate (TFLOP/s)": f"{basis} {fmt(rate)}" if rate else f"{basis} not measured",
                           "speedup over plain": ratio_text(r) if r else "-",
                           "first step s": fmt(at.get(("first_step_s", config))),
                           "graphs compiled": fmt(at.get(("graphs_compiled", config))),
                           "step peak GB": fmt(at.get(("step_peak_mem_mb", config), float("nan")) * GB),
                           "note": "" if ms else f"{row['status']}: {row['reason']}"})
-        verdicts += _goals(target, case_id, model, hw, best, best_mfu, rate, ratios, target in cpus, bf16_mfu)
+        verdicts += _goals(target, case_id, model, hw, fastest and fastest[0], bf16_best, rates["bf16"].get(target),
+                           ratios, target in cpus)
     md = prose(__file__, "g0_t1", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G0-T1", "MFU goals (training step, compiled, by config)", md, verdicts), _g0_c2(runs)]
 
@@ -65,35 +72,34 @@ def _g0_c2(runs: pd.DataFrame) -> Section:
     return Section("G0-C2", "The API (optimize_model, create_optimized_training_setup, train_step)", md, verdicts)
 
 
-def _goals(target: str, case_id: str, model: str, hw: str, best: str | None, mfu: float | None, rate: float | None,
-           ratios: pd.DataFrame, cpu: bool, bf16: tuple[str, float] | None) -> list[Verdict]:
-    """The preset's MFU goal on its best config, and its speedup goal on the best config's ratio to plain;
-    where the best is fp8, the note gives the best bf16 config's MFU beside it."""
+def _goals(target: str, case_id: str, model: str, hw: str, fastest: str | None, bf16: tuple[str, float] | None,
+           rate: float | None, ratios: pd.DataFrame, cpu: bool) -> list[Verdict]:
+    """The preset's MFU goal, a bf16 goal, on its best bf16 config against the bf16 GEMM rate (an FP8 config is
+    not counted against the bf16 rate); its speedup goal on the fastest config's ratio to plain."""
     out = []
     goal = knobs().mfu_goals.get(model)
     if goal is not None:
-        claim = f"{model}: at least {goal:.0%} MFU against the measured bf16 GEMM rate"
+        claim = f"{model}: at least {goal:.0%} MFU against the measured bf16 GEMM rate (bf16 configs)"
         if cpu:
-            out.append(Verdict("G0-T1", claim, f">= {goal:.0%}", fmt(mfu), hw, "not measurable here",
+            out.append(Verdict("G0-T1", claim, f">= {goal:.0%}", "-", hw, "not measurable here",
                                "a GPU goal (bf16 tensor cores)"))
-        elif mfu is not None:
-            also = f"; the best bf16 config, {bf16[0]}: {bf16[1]:.1%}" if best == "fp8" and bf16 else ""
-            out.append(Verdict("G0-T1", claim, f">= {goal:.0%}", f"{mfu:.1%} ({best})", hw,
-                               judge((mfu, mfu), (goal, None), higher_is_better=True),
-                               f"the best config, {best}, of one run; GEMM rate {rate:.0f} TFLOP/s{also}"))
+        elif bf16 is not None:
+            out.append(Verdict("G0-T1", claim, f">= {goal:.0%}", f"{bf16[1]:.1%} ({bf16[0]})", hw,
+                               judge((bf16[1], bf16[1]), (goal, None), higher_is_better=True),
+                               f"the best bf16 config, {bf16[0]}, of one run; GEMM rate {rate:.0f} TFLOP/s"))
     speedup = knobs().mfu_speedup.get(model)
     if speedup is not None:
         claim = f"{model}: the zoo's best config at least {speedup:g}x plain compiled PyTorch's tokens/s"
-        r = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id) & (ratios["vs"] == best)]
+        r = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id) & (ratios["vs"] == fastest)]
         if cpu:
             out.append(Verdict("G0-T1", claim, f">= {speedup:g}x", "-", hw, "not measurable here",
                                "a GPU goal (our kernels and FP8 GEMMs run on the GPU)"))
-        elif best == "plain" or len(r) == 0:
+        elif fastest == "plain" or len(r) == 0:
             out.append(Verdict("G0-T1", claim, f">= {speedup:g}x", "1x (plain is the fastest)", hw,
                                "worse than claimed", "no config beat plain compiled PyTorch in the rounds"))
         else:
             r = r.iloc[0].to_dict()
-            out.append(Verdict("G0-T1", claim, f">= {speedup:g}x", f"{ratio_text(r)} ({best})", hw,
+            out.append(Verdict("G0-T1", claim, f">= {speedup:g}x", f"{ratio_text(r)} ({fastest})", hw,
                                judge((r["ci_low"], r["ci_high"]), (speedup, None), higher_is_better=True),
-                               f"plain's step time over {best}'s, round by round"))
+                               f"plain's step time over {fastest}'s (the fastest config), round by round"))
     return out

@@ -13,9 +13,9 @@ every config listed before it:
 The blocks are compiled one at a time (``compile_scope``: every layer shares the one graph) and dynamo is told
 to fail rather than fall back to eager past its recompile limit, so a config is compiled or is an error row; each
 config's first step counts the graphs it compiled (our kernels' switch is a guard: a config with them on
-compiles its own). MFU: the card's model FLOPs per step over the step time, against the bf16 GEMM rate
-measured at the start of the same run; each config's first step (its compile) in seconds; each step's peak
-memory.
+compiles its own). MFU: the card's model FLOPs per step over the step time, against the GEMM rate of the config's
+precision measured in the same run (bf16 at its start; FP8 before the first case, for the fp8 config); each
+config's first step (its compile) in seconds; each step's peak memory.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from adaattn_pipeline.bench.harness import Workload
+from adaattn_pipeline.bench.roofline import fp8_gemm_tflops
 from adaattn.timing.memory import peak_row
+from adaattn.timing.timers import make_timer
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
@@ -115,6 +117,12 @@ class Mfu(StudyDef):
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
         sweep: MfuSweep = getattr(params.mfu, target.profile)
         rows: list[dict] = []
+        if any("fp8" in case.configs for case in sweep.cases) and fp8_unavailable(self.device) is None:
+            # an fp8 config's MFU is counted against the FP8 GEMM rate of this run, not the bf16 one
+            rate = fp8_gemm_tflops(make_timer(self.device, params.bench))
+            rows.append({"table_id": "", "case_id": "machine", "provider": "machine", "mode": "", "status": "ok",
+                         "reason": "", "metric": "fp8_gemm_tflops", "value": rate, "unit": "TFLOP/s",
+                         "kernel": f"fp8 e4m3 GEMM {8192}^3 (torch._scaled_mm, tensorwise scales, bf16 out)"})
         # past its recompile limit dynamo would run a block eager, silently: an error row instead
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             for case in sweep.cases:

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, PositiveInt, field_validator
 
-from adaattn_pipeline.config import ByProfile, Mode
+from adaattn_pipeline.config import ByProfile, Mode, check_divides
 from adaattn_pipeline.config import Section as _Section
 from adaattn_pipeline.config import check_names as _check_names
 
@@ -30,10 +30,7 @@ class G2T3Point(_Section):
     @field_validator("heads")
     @classmethod
     def _heads_divide(cls, v: int, info) -> int:
-        e = info.data.get("embed_dim")
-        if e is not None and e % v:
-            raise ValueError(f"heads={v} must divide embed_dim={e}")
-        return v
+        return check_divides([v], info.data.get("embed_dim"), "heads", "embed_dim")[0]
 
     @field_validator("precisions")
     @classmethod

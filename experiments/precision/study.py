@@ -55,7 +55,8 @@ class Block(nn.Module):
         super().__init__()
         mode = "fp32" if precision == "tf32" else precision
         self.norm1, self.norm2 = nn.LayerNorm(embed_dim, device=device), nn.LayerNorm(embed_dim, device=device)
-        self.attn = AdaAttention(embed_dim, heads, precision_mode=mode, rank_mode="full", kernel_manager=manager,
+        self.attn = AdaAttention(embed_dim, heads, batch_first=True, precision_mode=mode, rank_mode="full",
+                                 kernel_manager=manager,
                                  device=device)
         self.mlp = nn.Sequential(nn.Linear(embed_dim, 4 * embed_dim, device=device), nn.GELU(),
                                  nn.Linear(4 * embed_dim, embed_dim, device=device))

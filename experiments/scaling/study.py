@@ -182,7 +182,7 @@ class Scaling(ModuleStudy):
         larger one (docs/notebook.md, 2026-11-26)."""
         c = case.config
         x = torch.randn(c["batch"] + 1, c["seq_len"], c["embed_dim"], device=self.device, dtype=DTYPES[c["dtype"]])
-        warm = AdaAttention(c["embed_dim"], c["heads"], precision_mode=c["dtype"], rank_mode="full",
+        warm = AdaAttention(c["embed_dim"], c["heads"], batch_first=True, precision_mode=c["dtype"], rank_mode="full",
                             kernel_manager=AttentionKernelManager(self._backends and list(self._backends)),
                             device=self.device, dtype=DTYPES[c["dtype"]])
         warm.tune(x, grad=None)
@@ -228,7 +228,8 @@ class Scaling(ModuleStudy):
 
         def build(kind: str) -> Workload:
             torch.manual_seed(sec.seed)
-            attn = (lambda: AdaAttention(st.embed_dim, st.heads, precision_mode=st.dtype, rank_mode="full",
+            attn = (lambda: AdaAttention(st.embed_dim, st.heads, batch_first=True, precision_mode=st.dtype,
+                                         rank_mode="full",
                                          kernel_manager=self._manager())) if kind == "adaattn" else \
                 (lambda: SdpaSelfAttention(st.embed_dim, st.heads))
             stack = nn.Sequential(*(Block(attn(), st.embed_dim, st.mlp_ratio) for _ in range(st.layers)))

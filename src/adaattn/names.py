@@ -1,6 +1,7 @@
 """The names params.yaml may use for attention providers and the kernel manager's backends, without importing
-what runs them (``config.py`` checks params against these; ``attention.providers`` and
-``attention.backends`` check at import that their registries carry exactly these names)."""
+what runs them (the studies' schemas, ``experiments/*/schema.py``, check params against these;
+``attention.providers`` and ``attention.backends`` check at import that their registries carry exactly these
+names)."""
 
 ATTENTION_PROVIDERS = ("sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "standard", "flex",
                        "xformers_cutlass", "xformers_splitk", "flash_attn")

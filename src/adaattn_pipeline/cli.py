@@ -59,13 +59,18 @@ def build_app(studies: Mapping[str, Any] | None = None) -> typer.Typer:
         set_: Annotated[list[str] | None, typer.Option(
             "--set", help="override a param, KEY=VALUE (YAML value), e.g. G1-T1.cpu.seq_lens=[128,256]")] = None,
         params: PARAMS = Path("params.yaml"),
-        results: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+        results: Annotated[Path | None, typer.Option(
+            help="results root (default: results; with --set it must be given)")] = None,
     ) -> None:
-        """Measure one study on one hardware target; writes results/<study>/<target>.csv."""
+        """Measure one study on one hardware target; writes <results>/<study>/<target>.csv."""
         from adaattn_pipeline.bench.runner import run_study
 
         if study not in studies:
             fail(f"unknown study {study!r}; allowed: {', '.join(studies)}")
+        if set_ and results is None:  # a one-off run never silently replaces the committed results
+            fail(f"--set changes params: say where its results go, --results DIR (e.g. --results runs/mine), or "
+                 f"--results results to replace the committed results/{study}/{target}.csv")
+        results = results or Path("results")
         try:
             cfg, raw = load_params(params, set_)
             run_study(studies[study], cfg, raw, target, results, console)

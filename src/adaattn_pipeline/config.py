@@ -125,6 +125,8 @@ class Verdicts(Section):
     kernel_copy_fraction: float = Field(0.90, gt=0, le=1)  # G4-T1: forward at least this of copy bandwidth
     memory_estimate: float = Field(0.10, gt=0)  # G4-T3: the card's estimate within this of the measured peak
     ccgqa_bound: float = Field(1.2, gt=0)  # G4-C1: CCGQA's training call at most this x SDPA GQA's (compiled)
+    # G4-C1: the pair (eager or a compile mode) the goal means; every pair measured gets a verdict of its own
+    ccgqa_mode: Literal["eager", "default", "reduce-overhead", "max-autotune"] = "default"
     # the MFU goals (the mfu study): a preset's best config at least this MFU against the measured bf16 GEMM
     # rate, and at least mfu_speedup x the plain compiled model's tokens/s where the preset is listed there
     mfu_goals: dict[str, Annotated[float, Field(gt=0, le=1)]] = {"g0_transformer": 0.55, "llama_1b": 0.60}
@@ -145,6 +147,14 @@ def check_names(v: list[str], allowed: tuple[str, ...], what: str) -> list[str]:
     if len(set(v)) != len(v):
         raise ValueError(f"{what} must not repeat")
     return v
+
+
+def check_divides(parts: list[int], whole: int | None, what: str, whole_name: str) -> list[int]:
+    """``parts`` when each divides ``whole`` (``None``: ``whole`` failed its own check, reported there)."""
+    bad = [p for p in parts if whole is not None and whole % p]
+    if bad:
+        raise ValueError(f"{what} {bad} must divide {whole_name}={whole}")
+    return parts
 
 
 def check_preset(params: Params, where: str, name: str, seq_len: int) -> None:

@@ -59,7 +59,7 @@ def _run(backend: str | None):
 
 class AdaAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 kdim: int | None = None, vdim: int | None = None, batch_first: bool = True,
+                 kdim: int | None = None, vdim: int | None = None, batch_first: bool = False,
                  num_kv_heads: int | None = None, enable_gpu_optimization: bool = True,
                  precision_mode: str = "auto", rank_mode: str | int = "auto", low_rank_method: str = "auto",
                  rank_sample_rows: int = 64, min_low_rank_len: int = 1024, max_rank_error: float = 0.05,
@@ -154,7 +154,15 @@ class AdaAttention(nn.Module):
                 or value.shape[0] != B or value.shape[1] != S:
             raise ValueError(f"expected query (B, L, {self.embed_dim}), key (B, S, {kdim}), value (B, S, {vdim}); "
                              f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-        q, k, v = self._project(query, key, value)
+        try:
+            q, k, v = self._project(query, key, value)
+        except RuntimeError as err:  # told apart here, not checked before: a call that projects pays nothing
+            dtype = self.out_proj.weight.dtype
+            if {query.dtype, key.dtype, value.dtype} != {dtype}:
+                raise ValueError(f"query, key and value must have the module's dtype {dtype} (outside autocast); got "
+                                 f"{query.dtype}, {key.dtype}, {value.dtype}: cast them, or the module with "
+                                 f".to(dtype)") from err
+            raise
         mask, causal = (None, is_causal) if attn_mask is None and key_padding_mask is None else \
             merge_masks(attn_mask, key_padding_mask, is_causal, B, self.num_heads, L, S, q.device)
         scale = self.head_dim ** -0.5

@@ -249,7 +249,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in [
     Backend("chunked", _chunked, _needs()),
     Backend("math", _math, _needs()),
 ]}
-check_registry(BACKENDS, BACKEND_NAMES, "kernel manager backend")  # params.yaml's names (config.py)
+check_registry(BACKENDS, BACKEND_NAMES, "kernel manager backend")  # params.yaml's names (adaattn.names)
 FLASH_LIKE = frozenset({"flash_attn", "sdpa_flash", "sdpa_cudnn", "flex", "xformers", "sdpa_efficient"})
 
 

@@ -90,7 +90,7 @@ class AdaptiveFlashAttention(AdaAttention):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, config: FlashAttentionConfig | None = None, *,
-                 bias: bool = True, kdim: int | None = None, vdim: int | None = None, batch_first: bool = True,
+                 bias: bool = True, kdim: int | None = None, vdim: int | None = None, batch_first: bool = False,
                  num_kv_heads: int | None = None, device=None, dtype=None, **fields):
         if config is not None and not isinstance(config, FlashAttentionConfig):
             raise ValueError(f"config must be a FlashAttentionConfig; got {type(config).__name__}")

@@ -299,5 +299,5 @@ PROVIDERS: dict[str, Provider] = {
     ),
 }
 
-check_registry(PROVIDERS, ATTENTION_PROVIDERS, "attention provider")  # params.yaml's names (config.py)
+check_registry(PROVIDERS, ATTENTION_PROVIDERS, "attention provider")  # params.yaml's names (adaattn.names)
 BASELINE = "sdpa"

@@ -65,7 +65,8 @@ def tune_shapes(embed_dim: int, heads: int, shapes: list[Shape], cache: str | os
         raise ValueError(f"device {device!r} is not one of: cpu{', cuda' if torch.cuda.is_available() else ''}")
     manager = AttentionKernelManager(cache_path=cache)
     # precision fixed to dtype: the signatures are those of a model computing in it (auto's choice on the GPU)
-    module = AdaAttention(embed_dim, heads, num_kv_heads=kv_heads, precision_mode=dtype, rank_mode="full",
+    module = AdaAttention(embed_dim, heads, batch_first=True, num_kv_heads=kv_heads, precision_mode=dtype,
+                          rank_mode="full",
                           kernel_manager=manager, device=device, dtype=DTYPES[dtype])
     rows = []
     for shape in shapes:

@@ -12,8 +12,8 @@ class RecordedLaunches:
     """The launches of one call of a launcher chain (``nystrom_forward``'s four, ``pooled_forward``'s two). The first call of a kind (shapes, strides,
     dtypes, alignment: ``key``) goes through ``Launcher`` and records the compiled kernels it ran;
     later calls of that kind launch those directly, skipping ``Launcher``'s specialisation of some
-    20 arguments per launch (``specialization``, 5.4 us per launch on the H100 host of the rank study,
-    scratch timing). Every argument ``specialization`` reads is a function of ``key``."""
+    20 arguments per launch (``specialization``; its host time per launch is in ``docs/notebook.md``).
+    Every argument ``specialization`` reads is a function of ``key``."""
 
     __slots__ = ("key", "bound", "record", "stream", "i")
 

@@ -100,6 +100,9 @@ def generate(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: flo
     cache = layers[0].cache if layers else None
     if cache is None:
         raise ValueError("no KV cache: call setup_kv_cache(model, batch, max_seq_len) first")
+    if prompt.dim() != 2:
+        raise ValueError(f"prompt must be token ids (B, P); got shape {tuple(prompt.shape)} (one sequence: "
+                         f"prompt[None])")
     B, P = prompt.shape
     if B != cache.k.shape[0] or (isinstance(cache, KVCache) and P + new_tokens > cache.k.shape[2]):
         raise ValueError(f"prompt (B={B}, P={P}) + {new_tokens} new tokens does not fit the cache "

@@ -151,6 +151,9 @@ class Trainer:
         (gradient accumulation: one part's activations in memory at a time), one optimizer step; the gradients
         and the loss are the whole batch's mean. Under DDP or FSDP2 the gradients are reduced once, after the
         last part."""
+        if isinstance(batch, Tensor) and batch.dim() != 2:
+            raise ValueError(f"batch must be tokens (B, S + 1) or (inputs, targets); got shape {tuple(batch.shape)} "
+                             f"(one sequence: batch[None])")
         inputs, targets = (batch[:, :-1], batch[:, 1:]) if isinstance(batch, Tensor) else batch
         if not isinstance(micro_batches, int) or micro_batches < 1 or inputs.shape[0] % micro_batches:
             raise ValueError(f"micro_batches={micro_batches!r} must be a positive int dividing the batch "

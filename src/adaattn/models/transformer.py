@@ -134,7 +134,7 @@ class AdaSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.causal = cfg.causal
-        self.attn = AdaAttention(cfg.dim, cfg.n_heads, num_kv_heads=cfg.kv_heads, bias=cfg.bias)
+        self.attn = AdaAttention(cfg.dim, cfg.n_heads, batch_first=True, num_kv_heads=cfg.kv_heads, bias=cfg.bias)
 
     def forward(self, x: Tensor, pos: Tensor | None = None) -> Tensor:
         return self.attn(x, x, x, need_weights=False, is_causal=self.causal)[0]

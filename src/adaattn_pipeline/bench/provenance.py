@@ -59,6 +59,23 @@ def nvidia_driver() -> str:
             return ""
 
 
+# The peer libraries the studies measure beside ours: their versions decide the peers' rows.
+PEERS = ("liger-kernel", "torchao", "xformers", "flash-attn")
+
+
+def peer_versions() -> str:
+    """``name version`` of each peer installed, ``name -`` of each not (read from package metadata, not imported)."""
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "-"
+
+    return "; ".join(f"{name} {version(name)}" for name in PEERS)
+
+
 def triton_version() -> str:
     try:
         import triton
@@ -93,9 +110,11 @@ def provenance(device: str, target: str, params_hash: str, code_hash: str) -> di
     return {
         "target": target,
         **hardware(device),
+        "host": cpu_model(),  # a GPU run's host time moves with its CPU, which differs between lent machines
         "torch": torch.__version__,
         "triton": triton_version(),
         "python": platform.python_version(),
+        "peers": peer_versions(),
         "git_commit": commit,
         "git_dirty": dirty,
         "code_hash": code_hash,
@@ -106,6 +125,6 @@ def provenance(device: str, target: str, params_hash: str, code_hash: str) -> di
 
 
 PROVENANCE_COLUMNS = (
-    "target", "hardware", "hardware_count", "driver", "cuda", "cudnn", "torch", "triton", "python",
+    "target", "hardware", "hardware_count", "host", "driver", "cuda", "cudnn", "torch", "triton", "python", "peers",
     "git_commit", "git_dirty", "code_hash", "params_hash", "measured_at", "command",
 )

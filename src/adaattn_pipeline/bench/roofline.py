@@ -68,3 +68,14 @@ def measure_ceilings(device: str, timer) -> Ceilings:
         gemm_dtype=dname,
         gemm_size=gemm_n,
     )
+
+
+def fp8_gemm_tflops(timer, n: int = 8192) -> float:
+    """The FP8 GEMM rate the FP8 configs are judged against: ``torch._scaled_mm`` of two n x n float8 e4m3
+    operands with tensorwise scales and a bf16 result (torchao's float8 training GEMM), on the same timer
+    as the bf16 rate. Needs a GPU of compute capability 8.9 or newer."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device="cuda")
+    ms = timer(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)).p50
+    return tflops(2.0 * n**3, ms)

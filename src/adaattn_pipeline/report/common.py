@@ -201,9 +201,9 @@ def fmt(x: float | None, digits: int = 3) -> str:
 
 def provenance_table(df: pd.DataFrame, stale: dict[str, str]) -> str:
     """One line per target: hardware, software, commit, code and params hashes, and whether it is stale (why)."""
-    cols = ["target", "hardware", "hardware_count", "driver", "cuda", "cudnn", "torch", "triton", "python",
-            "git_commit", "git_dirty", "code_hash", "params_hash", "measured_at"]
-    prov = df[cols].drop_duplicates("target").copy().astype(object)
+    cols = ["target", "hardware", "hardware_count", "host", "driver", "cuda", "cudnn", "torch", "triton", "python",
+            "peers", "git_commit", "git_dirty", "code_hash", "params_hash", "measured_at"]
+    prov = df.reindex(columns=cols).drop_duplicates("target").copy().astype(object)  # host, peers: since 11-28
     prov = prov.where(prov.notna(), "-")
     for col in ("cuda", "cudnn", "hardware_count"):  # read back as floats (CPU rows are empty)
         prov[col] = prov[col].map(lambda v: v if isinstance(v, str) else f"{v:g}")
