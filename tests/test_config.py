@@ -184,3 +184,29 @@ def test_a_one_off_override_never_replaces_the_committed_results(repo, tmp_path,
                                               "G2-T3.cpu.batch=1", "--params", str(repo / "params.yaml")])
     assert result.exit_code != 0 and "--results DIR" in result.output
     assert not (tmp_path / "results").exists()
+
+
+def test_an_error_is_one_line_whatever_the_terminal(tmp_path, monkeypatch):
+    """Rich wrapped a one-line error over three lines at 80 columns; brackets in it are text, not markup."""
+    from typer.testing import CliRunner
+
+    from adaattn_pipeline.cli import build_app
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(build_app(), ["run", "precision", "--target", "cpu", "--set",
+                                              "G1-T1.cpu.seq_lens=[128,512]"])
+    (line,) = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert line.startswith("error: --set changes params") and len(line) > 80
+
+
+def test_log_with_nothing_to_log_is_an_error(tmp_path, monkeypatch):
+    """`adaattn log` in an empty directory made an mlflow.db there and exited 0."""
+    from typer.testing import CliRunner
+
+    from adaattn_pipeline.cli import build_app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(build_app(), ["log"])
+    assert result.exit_code == 2 and "no results under" in result.output
+    assert list(tmp_path.iterdir()) == []

@@ -95,6 +95,33 @@ def test_the_efficiency_is_read_round_by_round():
     assert v.measured == "median 0.965 (range 0.96-0.97) over 2 rounds" and v.verdict == "holds"
 
 
+def test_a_layout_is_read_against_one_rank_in_its_own_precision_regime(monkeypatch, tmp_path):
+    """FSDP2 computes with bf16 copies of fp32 shards; the plain one-rank job keeps fp32 weights under autocast. FSDP2
+    at two ranks is read against FSDP2 on one rank (it read 1.03x against the plain job before), DDP against the plain
+    one; the one-rank FSDP2 job runs with --shard-one."""
+    from adaattn_experiments.distributed import study as distributed
+    from adaattn_experiments.distributed.report import render
+
+    rows = []
+    for layout, ws, per_rank in (("single", 1, 100.0), ("fsdp", 1, 120.0), ("ddp", 2, 96.0), ("fsdp", 2, 114.0)):
+        case = {"case_id": f"distributed/m/x{ws}/r0", "provider": layout, "world_size": ws, "model": "m",
+                "batch": 4 * ws, "mode": "train", "status": "ok", "target": "h100x2", "hardware": "gpu", "cuda": "13.0"}
+        rows += [{**case, "metric": "tokens_per_s", "value": per_rank * ws},
+                 {**case, "metric": "tokens_per_s_per_rank", "value": per_rank}]
+    (section,) = render(pd.DataFrame(rows), Path("."))
+    ddp, fsdp = ([v for v in section.verdicts if v.claim.startswith(name)][0] for name in ("DDP x2", "FSDP2 x2"))
+    assert ddp.measured.startswith("0.96") and "one-rank single job" in ddp.reason
+    assert fsdp.measured.startswith("0.95") and "one-rank fsdp job" in fsdp.reason and fsdp.verdict == "holds"
+    run, launched = _params().g3_t2.cpu, []
+    monkeypatch.setattr(distributed, "launch", lambda module, args, ws, run, out, layout: launched.append(
+        (layout, ws, "--shard-one" in args, distributed.job_sets(layout, ws, run))) or "not run")
+    for layout, ws in (("single", 1), ("fsdp", 1), ("fsdp", 2)):
+        distributed.run_job("m", layout, ws, run, tmp_path / "p.yaml", tmp_path)
+    assert [(layout, ws, one) for layout, ws, one, _ in launched] == [("single", 1, False), ("fsdp", 1, True),
+                                                                      ("fsdp", 2, False)]
+    assert [any("reshard" in s for s in sets) for *_, sets in launched] == [False, True, True]
+
+
 def test_exposed_communication_is_collective_time_no_other_kernel_hid():
     from adaattn.distributed.parallel import exposed_communication
 
@@ -191,23 +218,26 @@ def test_later_rounds_run_only_while_the_budget_lasts(monkeypatch):
     budget_s; the rest rows that say why not."""
     from adaattn_experiments.distributed import study as distributed
 
-    params = _params({"layouts": ["ddp", "fsdp"], "repeats": 2, "budget_s": 45, "trace_steps": 1})
+    params = _params({"layouts": ["ddp", "fsdp"], "repeats": 2, "budget_s": 55, "trace_steps": 1})
     clock, ran = [0.0], []
 
     def job(model, layout, ws, run, params_file, tmp, trace):
-        ran.append((layout, trace))
+        ran.append((layout, ws, trace))
         clock[0] += 10  # every job takes 10 s
         return [{"metric": "tokens_per_s", "value": 1.0, "status": "ok"}]
 
     monkeypatch.setattr(distributed, "run_job", job)
     monkeypatch.setattr(distributed.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: ran.append(("all-reduce", None)) or [])
+    monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: ran.append(("all-reduce", None, None)) or [])
     rows = distributed.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
-    # round 2's one-rank job starts at 30 s (30 + 10 <= 45); its DDP job would end at 50
-    assert ran == [("single", 1), ("ddp", 1), ("fsdp", 1), ("all-reduce", None), ("single", 0)]
+    # round 1: the plain and FSDP2 one-rank jobs (FSDP2 is read against its own), then two ranks; round 2's plain
+    # one-rank job starts at 40 s (40 + 10 <= 55); its FSDP2 one would end at 60
+    assert ran == [("single", 1, 1), ("fsdp", 1, 1), ("ddp", 2, 1), ("fsdp", 2, 1), ("all-reduce", None, None),
+                   ("single", 1, 0)]
     skipped = [r for r in rows if r["status"] == "unavailable"]
-    assert [(r["provider"], r["case_id"][-2:]) for r in skipped] == [("ddp", "r1"), ("fsdp", "r1")]
-    assert skipped[0]["reason"] == "round 2 not run: its 10 s (round 1's) past G3-T2 budget_s=45 at 40 s"
+    assert [(r["provider"], r["world_size"], r["case_id"][-2:]) for r in skipped] == [
+        ("fsdp", 1, "r1"), ("ddp", 2, "r1"), ("fsdp", 2, "r1")]
+    assert skipped[0]["reason"] == "round 2 not run: its 10 s (round 1's) past G3-T2 budget_s=55 at 50 s"
 
 
 def test_fsdp_over_tp_pairs_needs_four_ranks(monkeypatch):
@@ -219,7 +249,7 @@ def test_fsdp_over_tp_pairs_needs_four_ranks(monkeypatch):
     monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a: ran.append((layout, ws)) or [])
     monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: [])
     rows = distributed.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
-    assert ran == [("single", 1), ("fsdp_tp", 4)]
+    assert ran == [("single", 1), ("fsdp", 1), ("fsdp_tp", 4)]  # fsdp x1: FSDP2 x TP's baseline
     (row,) = rows
     assert row["world_size"] == 2 and row["status"] == "unavailable"
     assert row["reason"] == "fsdp_tp shards tensor-parallel pairs: an even world size of at least 4; got 2 (at 2 it " \

@@ -50,6 +50,26 @@ def test_a_passkey_sits_its_distance_before_the_query():
         passkey_sequence(val, 10, torch.Generator())
 
 
+def test_the_training_text_carries_passkey_pairs_and_nothing_else_changes():
+    """``passkey_mix``: pairs of the same passkey line spliced into the text, the second within ``max_distance``
+    bytes of the first, fresh digits a pair; taking the lines out gives the text back."""
+    import re
+
+    from adaattn_experiments.memory_bank.study import mix_passkeys
+
+    text = torch.tensor(list(b"import os\nx = 1\n" * 400), dtype=torch.uint8)
+    mixed = mix_passkeys(text, 256, 192, torch.Generator().manual_seed(0))
+    raw = bytes(mixed.tolist())
+    pairs = [m.start() for m in re.finditer(rb'passkey = "\d{5}"\n', raw)]
+    assert len(pairs) >= 2 * (text.numel() // (256 * 3 // 2 + 192) - 1) and len(pairs) % 2 == 0
+    lines = [raw[i:i + 18] for i in pairs]  # the key, five digits, the quote and newline
+    for (a, b), (la, lb) in zip(zip(pairs[::2], pairs[1::2]), zip(lines[::2], lines[1::2])):
+        assert la == lb and 18 + 16 <= b - a <= 18 + 192
+    assert len({la for la in lines[::2]}) > len(lines) // 4  # fresh digits
+    assert re.sub(rb'passkey = "\d{5}"\n', b"", raw) == bytes(text.tolist())
+    assert mixed.dtype == text.dtype
+
+
 @pytest.mark.parametrize("update, presets, message", [
     ({"models": {"standard": "ltm_small_dense", "ltm": "ltm_small"}}, None, "one preset for each role"),
     ({"models": {"standard": "ltm_small", "window": "ltm_small_window", "ltm": "ltm_small"}}, None,
@@ -145,3 +165,34 @@ def test_the_goal_is_judged_at_32k_on_a_gpu(tmp_path):
                if line.startswith("| h100") and "32768" in line]
     assert len(row_32k) == 1 and "oom" in row_32k[0]
     assert "nan" not in section.markdown.lower() and not any("nan" in v.measured for v in section.verdicts)
+
+
+def test_quality_is_judged_as_filed_and_only_where_the_task_was_learned():
+    """G3-T4's quality goals (`G3-T4.quality`, outside the results' params hash): the standard model must read the
+    passkey back at the shortest distance; then the window and LTM models' recall and loss against it."""
+    from adaattn_experiments.memory_bank.report import quality_verdicts
+    from adaattn_experiments.memory_bank.study import STUDY
+    from adaattn_pipeline.report.common import use_params
+
+    def frame(standard: float) -> pd.DataFrame:
+        base = {"target": "h100", "hardware": "H100", "status": "ok", "cuda": "13.0", "case_id": "c"}
+        rows = [{**base, "metric": "recall_accuracy", "role": role, "distance": 64, "value": v}
+                for role, v in (("standard", standard), ("window", 0.5), ("ltm", 0.9))]
+        rows += [{**base, "metric": "val_loss", "role": role, "context": 512, "value": v}
+                 for role, v in (("standard", 1.80), ("window", 1.90), ("ltm", 1.82))]
+        return pd.DataFrame(rows)
+
+    params = validate(_raw())
+    with use_params(params):
+        learned, window_recall, window_loss, ltm_recall, ltm_loss = quality_verdicts(frame(0.95))
+    assert learned.verdict == "holds" and learned.measured == "0.95"
+    assert (window_recall.verdict, ltm_recall.verdict) == ("worse than claimed", "holds")
+    assert (window_loss.verdict, ltm_loss.verdict) == ("worse than claimed", "holds")
+    learned, window_recall, *_ = quality_verdicts(frame(0.03))
+    assert learned.verdict == "worse than claimed" and window_recall.verdict == "not measured yet"
+    assert "did not learn the task (recall 0.03" in window_recall.reason
+    raw = _raw()
+    assert not any(k.startswith("G3-T4.quality") for k in STUDY.param_keys(raw, "cpu"))
+    raw["G3-T4"]["quality"] = {"recall_floor": 0.5}
+    with use_params(validate(raw)):
+        assert quality_verdicts(frame(0.6))[0].verdict == "holds"

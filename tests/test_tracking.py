@@ -63,12 +63,14 @@ def test_runs_hold_integer_params_mode_keys_measurement_time_figures_and_the_rep
     df = pd.read_csv(repo / "results/scaling/h100.csv")
     keys = {k for _, _, metrics, tags in _child_runs(df, ["batch", "seq_len"]) for k in (*metrics, *tags)}
     assert keys and not any(k.startswith("nan") or k.endswith(".") or ".nan" in k for k in keys)
-    # per-head rows (the rank study's estimates): one run per head, no value overwrites another
+    # per-head rows (the rank study's estimates): one run per (case, provider), each head's value its own metric key,
+    # no value overwrites another
     rank = pd.read_csv(repo / "results/rank/cpu.csv")
     rank = rank[(rank.case_id != "machine") & (rank.status == "ok")]
     runs = list(_child_runs(rank, ["inputs", "true_rank", "batch", "heads", "seq_len", "head_dim", "dtype", "head"]))
-    assert len({name for name, *_ in runs}) == len(runs)
+    assert len({name for name, *_ in runs}) == len(runs) == rank.groupby(["case_id", "provider"]).ngroups
     assert sum(len(m) for _, _, m, _ in runs) == len(rank) + rank.p20.notna().sum() * 2
+    assert any(".head_1" in k for _, _, m, _ in runs for k in m)
     path = tmp_path / "h100.csv"
     shutil.copy(repo / "results/attention_backends/h100.csv", path)
     figures = [tmp_path / "G1-T1_h100_bf16.png", tmp_path / "g2_b_seq_h100.png"]
@@ -101,3 +103,70 @@ def test_runs_hold_integer_params_mode_keys_measurement_time_figures_and_the_rep
     # a changed verdict logs the target again (its results unchanged)
     pd.read_csv(verdicts).assign(verdict="inconclusive").to_csv(verdicts, index=False)
     assert log_results_file(client, "attention_backends", path, CONFIG, figures, report, verdicts) == "logged"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A real `mlflow server` on loopback (its own SQLite store and artifact folder), stopped after the test."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                             "--artifacts-destination", str(tmp_path / "artifacts"), "--workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("mlflow server did not answer in 60 s")
+        yield uri
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_sync_to_a_tracking_server_is_idempotent_and_carries_every_figure(repo, tmp_path, server, monkeypatch):
+    """`MLFLOW_TRACKING_URI=<server> adaattn log --manifest <elsewhere>`: the docs' command, on a copy of two
+    studies' results and reports; a second sync sends nothing, and a figure that names no target (memory_bank's)
+    is on every target's run."""
+    from mlflow import MlflowClient
+    from typer.testing import CliRunner
+
+    from adaattn_pipeline.cli import build_app
+
+    for study in ("memory_bank", "precision"):
+        shutil.copytree(repo / "results" / study, tmp_path / "results" / study)
+        shutil.copytree(repo / "reports" / study, tmp_path / "reports" / study)
+        shutil.copy(repo / "reports" / f"{study}.md", tmp_path / "reports" / f"{study}.md")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    args = ["log", "--manifest", str(tmp_path / "server.json"), "--workers", "4"]
+    first = CliRunner().invoke(build_app(), args)
+    assert first.exit_code == 0, first.output
+    assert "memory_bank/h100: logged" in first.output and not (tmp_path / "mlflow.db").exists()
+    again = CliRunner().invoke(build_app(), args)
+    assert again.exit_code == 0 and "logged" not in again.output and "unchanged" in again.output
+    client = MlflowClient(server)
+    exp = client.get_experiment_by_name("memory_bank")
+    parents = [r for r in client.search_runs([exp.experiment_id]) if KEY_TAG in r.data.tags]
+    assert {r.data.tags[KEY_TAG] for r in parents} == {"memory_bank/cpu", "memory_bank/h100"}
+    for run in parents:
+        figures = {f.path for f in client.list_artifacts(run.info.run_id, "figures")}
+        assert {"figures/g3_t4_memory.png", "figures/g3_t4_recall.png"} <= figures

@@ -9,7 +9,7 @@ import pandas as pd
 
 from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge,
                                             knobs, md_table, median_interval, prose, same_row)
-from adaattn_experiments.distributed.study import SINGLE
+from adaattn_experiments.distributed.study import BASELINE, SINGLE
 
 
 def _median(frame: pd.DataFrame, metric: str):
@@ -30,9 +30,9 @@ def projection(jobs: pd.DataFrame, cpus: set[str], ranks: tuple[int, ...] = (4, 
             continue
         ok = frame[frame["status"] == "ok"]
         for model, runs in ok.groupby("model", sort=False):
-            one = runs[runs["provider"] == SINGLE]
-            t1, per_rank = _median(one, "step_ms"), _median(one, "tokens_per_s_per_rank")
             for layout in ("ddp", "fsdp"):
+                one = runs[(runs["provider"] == BASELINE[layout]) & (runs["world_size"] == 1)]
+                t1, per_rank = _median(one, "step_ms"), _median(one, "tokens_per_s_per_rank")
                 two = runs[(runs["provider"] == layout) & (runs["world_size"] == 2)]
                 t2, c2, e2 = (_median(two, m) for m in ("step_ms", "comm_ms", "exposed_comm_ms"))
                 if None in (t1, per_rank, t2, c2, e2):
@@ -65,17 +65,20 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         hw = f"{int(count)}x {hw}" if not cpu and pd.notna(count) and count > 1 else hw
         for model, runs in frame.groupby("model", sort=False):
             ok = runs[runs["status"] == "ok"]
-            single = ok[(ok["provider"] == SINGLE) & (ok["metric"] == "tokens_per_s")].set_index("round")["value"]
+            ones = {b: ok[(ok["provider"] == b) & (ok["world_size"] == 1) & (ok["metric"] == "tokens_per_s")]
+                    .set_index("round")["value"] for b in set(BASELINE.values())}
             for (layout, ws), job in runs.groupby(["provider", "world_size"], sort=False):
                 good = job[job["status"] == "ok"]
                 per_round = good[good["metric"] == "tokens_per_s_per_rank"].set_index("round")["value"]
-                # each round's jobs against the same round's one-rank job
+                # each round's jobs against the same round's one-rank job of the same precision regime
+                single = ones[BASELINE.get(layout, SINGLE)]
                 effs = [per_round[r] / single[r] for r in per_round.index if r in single.index and single[r]]
                 eff = median_interval(effs) if effs and ws > 1 else None
                 peak = _median(good, "rank_peak_mem_mb")
                 share = _median(good, "exposed_comm_share")
                 bad = job[job["status"] != "ok"]
                 table.append({"target": target, "model": model, "layout": layout, "ranks": int(ws),
+                              "read against": "-" if ws == 1 else f"{BASELINE.get(layout, SINGLE)} x1",
                               "batch": fmt(job["batch"].iloc[0]),
                               "micro-batches": fmt(_median(good, "micro_batches")), "rounds": len(per_round),
                               "tokens/s": fmt(_median(good, "tokens_per_s")),
@@ -97,8 +100,9 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                                         "-" if eff is None else interval_text(effs, unit="") + f" over {len(effs)} "
                                         f"round{'s' if len(effs) != 1 else ''}", hw, verdict,
                                         "gloo processes sharing a CPU's cores: not the GPUs' scaling" if cpu else
-                                        "tokens/s a rank at this world size over one rank's in the same round, the "
-                                        "batch a rank fixed"))
+                                        f"tokens/s a rank at this world size over the one-rank {BASELINE[layout]} "
+                                        "job's in the same round (the same precision regime), the batch a rank "
+                                        "fixed"))
         if frame["hardware"].iloc[0] in guide_hw:
             continue
         guide_hw.add(frame["hardware"].iloc[0])

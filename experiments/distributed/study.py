@@ -7,7 +7,10 @@ tensor-parallel (``adaattn.distributed.decode``); then the all-reduce bus bandwi
 Weak scaling: the batch per rank is fixed, so a layout of N ranks trains on N times the tokens a step. Per job:
 the whole job's tokens/s (every rank's tokens over the slowest rank's seconds), per rank, the fullest rank's peak
 memory, the step time and the last step's loss. The jobs run one after another: tokens/s compare across jobs of
-one run, on one machine. A world size the machine cannot hold is a row that says so.
+one run, on one machine. A world size the machine cannot hold is a row that says so. At world size 1 two jobs:
+the plain one (fp32 weights under bf16 autocast: DDP's and TP's regime) and, where an FSDP2 layout is measured,
+FSDP2 on one rank (its bf16 compute parameters over fp32 shards): each layout is read against the one of its
+precision regime (``BASELINE``).
 """
 
 from __future__ import annotations
@@ -37,12 +40,22 @@ from adaattn_pipeline.config import ConfigError, Params, Target
 # (this stage's deps, its results' code hash) reaches what the jobs run
 TRAIN, DECODE, ALLREDUCE = train_job.__name__, decode_job.__name__, allreduce_job.__name__
 
-SINGLE = "single"  # the one-rank baseline of every layout
+SINGLE = "single"  # the one-rank baseline of DDP and TP: fp32 weights under bf16 autocast, as they keep them
+SHARDED_ONE = "fsdp"  # at world size 1, FSDP2 on one rank: the baseline of FSDP2's layouts, in their precision
+# the one-rank job each layout's scaling is read against: the same precision regime (FSDP2 computes in its
+# MixedPrecisionPolicy's bf16 parameters over fp32 shards; DDP and TP keep fp32 weights under autocast)
+BASELINE = {"ddp": SINGLE, "tp": SINGLE, "fsdp": SHARDED_ONE, "fsdp_tp": SHARDED_ONE}
+
+
+def one_rank_jobs(layouts: list[str]) -> list[str]:
+    """The jobs at world size 1: the plain one always, FSDP2's one where a layout is read against it."""
+    return [SINGLE, *([SHARDED_ONE] if any(BASELINE[layout] == SHARDED_ONE for layout in layouts) else [])]
 
 
 def layout_of(layout: str, world_size: int) -> Layout:
-    """The ``parallel`` section of a layout at a world size (``single``: one rank; ``fsdp_tp``: FSDP2 shards of
-    tensor-parallel pairs, the pairs inside a node's fastest links)."""
+    """The ``parallel`` section of a layout at a world size (``single``: one rank; ``fsdp`` at one rank: one rank,
+    run with ``--shard-one``; ``fsdp_tp``: FSDP2 shards of tensor-parallel pairs, the pairs inside a node's fastest
+    links)."""
     if world_size == 1 or layout == SINGLE:
         return Layout()
     if layout == "fsdp_tp":
@@ -59,10 +72,15 @@ def layout_sets(layout: str, world_size: int) -> list[str]:
     return [f"parallel.{k}={getattr(chosen, k)}" for k in ("world_size", "dp", "fsdp", "tp")]
 
 
+def shards_one(layout: str, world_size: int) -> bool:
+    """Whether the job is FSDP2 on one rank (``--shard-one``)."""
+    return world_size == 1 and layout == SHARDED_ONE
+
+
 def job_sets(layout: str, world_size: int, run: DistributedRun) -> list[str]:
     """A study job's overrides: the layout's, and the profile's resharding where FSDP2 shards."""
     sets = layout_sets(layout, world_size)
-    if layout_of(layout, world_size).fsdp > 1:
+    if layout_of(layout, world_size).fsdp > 1 or shards_one(layout, world_size):
         sets.append(f"parallel.reshard_after_forward={run.reshard_after_forward}")
     return sets
 
@@ -141,7 +159,7 @@ class Distributed(StudyDef):
         rows = []
         for model in run.models:
             for ws in run.world_sizes:
-                for layout in [SINGLE] if ws == 1 else run.layouts:
+                for layout in one_rank_jobs(run.layouts) if ws == 1 else run.layouts:
                     base = {"table_id": "G3-T2", "kernel": "", "model": model, "world_size": ws,
                             "batch": run.batch_per_rank * ws, "seq_len": run.seq_len, "mode": "train",
                             "case_id": f"distributed/{model}/x{ws}/r{rnd}", "provider": layout}
@@ -235,7 +253,8 @@ def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: 
     args = ["--model", model, "--batch", str(run.batch_per_rank * ws), "--micro-batches", str(run.micro_batches),
             "--seq-len", str(run.seq_len),
             "--steps", str(run.steps), "--warmup", str(run.warmup), "--dtype", run.dtype,
-            "--params", str(params_file), "--trace-steps", str(trace_steps)]
+            "--params", str(params_file), "--trace-steps", str(trace_steps),
+            *(["--shard-one"] if shards_one(layout, ws) else [])]
     job = launch(TRAIN, args, ws, run, tmp / f"{model}-{layout}-{ws}.json", layout)
     if isinstance(job, str):
         return [{"metric": "tokens_per_s", "value": None, "unit": "tokens/s", "status": "error", "reason": job}]

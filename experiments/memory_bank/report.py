@@ -8,8 +8,9 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
+from adaattn_experiments.memory_bank.schema import QualityGoal
 from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, figure_link, fmt, guide_figures, judge,
-                                            knobs, md_table, prose)
+                                            knobs, md_table, prose, rendered_params)
 
 GIB = 1024.0  # MiB
 
@@ -46,6 +47,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     ok = df[(df["case_id"] != "machine")]
     memory_md, verdicts = _memory(ok)
     quality_md = _quality(ok)
+    verdicts += quality_verdicts(ok)
     md = memory_md + quality_md + _figures(ok, out_dir)
     return [Section("G3-T4", "Memory Bank Performance (memory by context, and the price in quality)", md, verdicts),
             _components()]
@@ -170,6 +172,63 @@ def _quality(df: pd.DataFrame) -> str:
         parts.append(md_table(pd.DataFrame(rows)))
     steps = q.loc[q["metric"] == "train_loss", "step"].max()
     return prose(__file__, "g3_t4.quality", steps=f"{steps:g}", presets="\n\n".join(parts))
+
+
+def quality_goal() -> QualityGoal:
+    """G3-T4's quality goals as filed in params.yaml (``G3-T4.quality``; its defaults outside a render)."""
+    params = rendered_params()
+    return params.g3_t4.quality if params is not None and params.g3_t4 is not None else QualityGoal()
+
+
+def quality_verdicts(df: pd.DataFrame) -> list[Verdict]:
+    """The goals filed in ``G3-T4.quality``, per target: the standard model learned the task (its recall at the
+    shortest distance); then the window and LTM models against it, recall at each distance and validation loss
+    at each context. One trained model a role, one reading each (recall over its trials): points, no intervals.
+    Where the standard model did not learn the task, the comparisons are `not measured yet`: a memory is judged
+    on a task the model it is compared with can do."""
+    goal, out = quality_goal(), []
+    cpus = cpu_targets(df)
+    q = df[(df["status"] == "ok") & df["metric"].isin(["recall_accuracy", "val_loss"])]
+    for target, frame in q.groupby("target", sort=False):
+        hw = frame["hardware"].iloc[0]
+        recall = frame[frame["metric"] == "recall_accuracy"].set_index(["role", "distance"])["value"]
+        # the trained model's loss by context (the training curve's val_loss rows have no context)
+        loss = frame[(frame["metric"] == "val_loss") & frame["context"].notna()].set_index(["role", "context"])["value"]
+        if "standard" not in recall.index.get_level_values(0):
+            continue
+        first = min(recall["standard"].index)
+        base = float(recall["standard"][first])
+        learned = judge((base, base), (goal.recall_floor, None), higher_is_better=True)
+        out.append(Verdict("G3-T4", f"the standard model reads a passkey back at distance {int(first)} (recall at "
+                           f"least {goal.recall_floor:g}; the task learned)", f">= {goal.recall_floor:g}",
+                           f"{base:.2f}", hw, learned,
+                           "one trained model, recall over its trials; without it the comparisons below are not "
+                           "readable" + ("; a CPU's toy training" if target in cpus else "")))
+        readable = learned == "holds"
+        for role in ("window", "ltm"):
+            for (r, distance), value in recall.items():
+                if r != role or ("standard", distance) not in recall.index:
+                    continue
+                gap = float(recall["standard", distance]) - float(value)
+                out.append(Verdict(
+                    "G3-T4", f"{role} recall at distance {int(distance)} at most {goal.recall_gap:g} below the "
+                    f"standard model's", f"<= {goal.recall_gap:g} below", f"{float(value):.2f} vs "
+                    f"{float(recall['standard', distance]):.2f} ({gap:+.2f})", hw,
+                    judge((gap, gap), (None, goal.recall_gap), higher_is_better=False) if readable
+                    else "not measured yet",
+                    "the standard model's minus this model's recall, the same trials" if readable else
+                    f"the standard model did not learn the task (recall {base:.2f} at distance {int(first)})"))
+            for (r, context), value in loss.items():
+                if r != role or ("standard", context) not in loss.index:
+                    continue
+                gap = float(value) - float(loss["standard", context])
+                out.append(Verdict(
+                    "G3-T4", f"{role} validation loss at {int(context)} bytes at most {goal.loss_gap:g} nats above "
+                    "the standard model's", f"<= +{goal.loss_gap:g} nats", f"{float(value):.3f} vs "
+                    f"{float(loss['standard', context]):.3f} ({gap:+.3f})", hw,
+                    judge((gap, gap), (None, goal.loss_gap), higher_is_better=False),
+                    "this model's mean next-byte loss minus the standard model's, the same held-out windows"))
+    return out
 
 
 def _figures(df: pd.DataFrame, out_dir: Path) -> str:

@@ -14,14 +14,24 @@ MEMORY_BANK_ROLES = ("standard", "window", "ltm")
 RECALL_SPAN = 32  # a recall sequence's bytes besides its distance (the key's line, the query), at most
 
 
+class PasskeyMix(_Section):
+    """The recall task's lines mixed into the training text, as long-context training mixes its tasks in: about
+    every ``every`` bytes a line ``passkey = "NNNNN"`` and, 16 to ``max_distance`` bytes later, the same line
+    again. Without it the models never see the task: after 200 steps they read the digits back below chance."""
+
+    every: PositiveInt
+    max_distance: Annotated[int, Field(ge=16)]
+
+
 class MemoryBankRun(_Section):
     """G3-T4: a standard decoder, the same with sliding-window attention and the same with an LTM memory bank
     (``models``: role -> preset). Memory: at each of ``contexts`` tokens (``batch`` sequences, weights in
     ``dtype``), a forward's peak over the weights (the standard model with SDPA's math backend, the scores in
     memory, and with its fused ones; the LTM model segment by segment) and the state kept for the next token
     (the standard model's KV cache, the LTM model's segment caches and banks). Quality: each model trained on ``train``'s schedule
-    (the same text, batches and steps); its validation loss at each of ``eval_contexts``; and a passkey's recall
-    at each of ``recall_distances`` (``recall_trials`` sequences each)."""
+    (the same text, batches and steps; ``passkey_mix``: the recall task's lines mixed into it); its validation
+    loss at each of ``eval_contexts``; and a passkey's recall at each of ``recall_distances`` (``recall_trials``
+    sequences each)."""
 
     models: dict[Literal[MEMORY_BANK_ROLES], str]  # type: ignore[valid-type]
     batch: PositiveInt = 1
@@ -31,6 +41,7 @@ class MemoryBankRun(_Section):
     eval_contexts: Annotated[list[PositiveInt], Field(min_length=1)]
     recall_distances: Annotated[list[Annotated[int, Field(ge=RECALL_SPAN)]], Field(min_length=1)]
     recall_trials: PositiveInt = 16
+    passkey_mix: PasskeyMix | None = None  # null: the training text as it is
     seed: NonNegativeInt = 0
 
     @model_validator(mode="after")
@@ -45,9 +56,22 @@ class MemoryBankRun(_Section):
         return self
 
 
+class QualityGoal(_Section):
+    """G3-T4's quality goals, filed before the runs they judge and read by the report alone (outside the results'
+    params hash: a change re-renders, never re-measures). The standard model's recall at the shortest distance is
+    at least ``recall_floor`` (it learned the task; below it the comparisons are not readable); the window and
+    LTM models' recall at each distance at most ``recall_gap`` below the standard model's, and their validation
+    loss at each context at most ``loss_gap`` nats a byte above it."""
+
+    recall_floor: float = Field(0.9, gt=0, le=1)
+    recall_gap: float = Field(0.1, ge=0, le=1)
+    loss_gap: float = Field(0.05, ge=0)
+
+
 class G3T4Section(ByProfile):
     cpu: MemoryBankRun
     gpu: MemoryBankRun
+    quality: QualityGoal = QualityGoal()
 
 
 SECTIONS = {"G3-T4": G3T4Section}

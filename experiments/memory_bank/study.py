@@ -12,7 +12,8 @@ segments, ``models/ltm.py``).
   context, the LTM model's segment caches and banks after prefilling the context. A model's memory at the
   context is its peak plus its state.
 - Quality: each preset trained from fresh weights on the same text, batches and steps (the train stage's run,
-  ``train.py``); then its validation loss over windows of each of ``eval_contexts`` bytes (held-out files; the
+  ``train.py``), the recall task's lines mixed into that text where ``passkey_mix`` says (``mix_passkeys``);
+  then its validation loss over windows of each of ``eval_contexts`` bytes (held-out files; the
   standard model's also with INT8 weight-only linears, the quality side of G3-T3's INT8 decode goal), and
   a passkey's recall at each of ``recall_distances``: a line ``passkey = "NNNNN"`` in held-out code, the same
   line's start ``distance`` bytes later, and the five digits read teacher-forced: the share of digits the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from collections.abc import Iterator
 
@@ -74,6 +76,10 @@ class MemoryBank(StudyDef):
                 if self.device == "cuda":
                     torch.cuda.empty_cache()
         corpus = load_corpus(run.train.val_percent)
+        if run.passkey_mix is not None:  # the held-out text stays as it is: loss and recall are read there
+            mixed = mix_passkeys(corpus.train, run.passkey_mix.every, run.passkey_mix.max_distance,
+                                 torch.Generator().manual_seed(run.seed + 4))
+            corpus = dataclasses.replace(corpus, train=mixed)
         for role, name in run.models.items():
             cfg = ModelConfig(**{**params.models[name].model_dump(), "vocab_size": VOCAB})
             self.note(f"training {role} ({name}) for {run.train.steps} steps, then its loss and recall")
@@ -200,6 +206,24 @@ class MemoryBank(StudyDef):
         guess = logits[at - 1: at - 1 + DIGITS].argmax(-1)
         return float((guess == tokens[0, at: at + DIGITS]).float().mean())
 
+
+
+def mix_passkeys(text: torch.Tensor, every: int, max_distance: int, gen: torch.Generator) -> torch.Tensor:
+    """``text`` (bytes) with the recall task's lines spliced in: about every ``every`` bytes a line ``passkey =
+    "NNNNN"`` and, 16 to ``max_distance`` bytes of text later, the same line again (fresh digits each pair)."""
+    n, at, pieces = text.numel(), 0, []
+    starts = torch.randint(every // 2, every + every // 2 + 1, (n // every + 1,), generator=gen).tolist()
+    gaps = torch.randint(16, max_distance + 1, (len(starts),), generator=gen).tolist()
+    digits = (torch.randint(0, 10, (len(starts), DIGITS), generator=gen) + ord("0")).to(text.dtype)
+    key, query = (torch.tensor(list(b), dtype=text.dtype) for b in (KEY, QUERY))
+    for start, gap, d in zip(starts, gaps, digits):
+        if at + start + gap > n:
+            break
+        line = torch.cat([key, d, query])
+        pieces += [text[at:at + start], line, text[at + start:at + start + gap], line]
+        at += start + gap
+    pieces.append(text[at:])
+    return torch.cat(pieces)
 
 
 def passkey_sequence(val: torch.Tensor, distance: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from adaattn_pipeline.config import ConfigError, load_params
@@ -24,7 +25,8 @@ def build_app(studies: Mapping[str, Any] | None = None) -> typer.Typer:
     console = Console(stderr=True)
 
     def fail(message: str) -> None:
-        console.print(f"[bold red]error:[/] {message}")
+        # one line, as long as it is: a terminal wraps it, a log or grep reads it whole
+        console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
         raise typer.Exit(2)
 
     @app.command()
@@ -151,11 +153,14 @@ def build_app(studies: Mapping[str, Any] | None = None) -> typer.Typer:
         results: Annotated[Path, typer.Option(help="results root")] = Path("results"),
         reports: Annotated[Path, typer.Option(help="reports folder (figures become artifacts)")] = Path("reports"),
         manifest: Annotated[Path, typer.Option(help="sync manifest (the DVC output)")] = Path("mlflow_sync.json"),
+        workers: Annotated[int, typer.Option(min=1, help="runs logged at once to a tracking server")] = 16,
     ) -> None:
         """Log every results file to MLflow (idempotent); MLFLOW_TRACKING_URI picks a remote server."""
         from adaattn_pipeline.tracking.mlflow_log import sync, tracking_uri
 
-        actions = sync(studies, results, reports, Path.cwd(), manifest)
+        if not any(results.glob("*/*.csv")):  # before MLflow makes a store here: nothing to log is an error
+            fail(f"no results under {results.resolve()}: run from the repository root, or name them with --results")
+        actions = sync(studies, results, reports, Path.cwd(), manifest, workers)
         for key, action in actions.items():
             console.print(f"{key}: {action}")
         console.print(f"MLflow store: {tracking_uri(Path.cwd())}")

@@ -161,15 +161,16 @@ def init_mesh(layout: Layout) -> DeviceMesh:
     return init_device_mesh(device, (layout.dp, layout.fsdp, layout.tp), mesh_dim_names=MESH_DIMS)
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module:
+def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, shard_one: bool = False) -> nn.Module:
     """``model`` (on this rank's device, the same weights on every rank) wrapped for ``layout``: FSDP2 where
     ``fsdp`` > 1 (each block its own unit, so one block's parameters are gathered at a time, then the rest at the
     root; over a (dp, fsdp) mesh where dp > 1 too: HSDP), else DDP where ``dp`` > 1. Tensor parallelism where
     ``tp`` > 1 (``tensor_parallel``) comes first: FSDP2 then shards its DTensors over the fsdp dimension too (a
-    2-D mesh, torchtitan's order)."""
+    2-D mesh, torchtitan's order). ``shard_one``: FSDP2 at fsdp = 1 too (one rank: FSDP2's precision regime,
+    compute in ``param_dtype`` over fp32 sharded weights, what FSDP2 at N ranks is compared with)."""
     if layout.tp > 1:
         tensor_parallel(model, mesh["tp"])
-    if layout.fsdp > 1:
+    if layout.fsdp > 1 or shard_one:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         shard_mesh = mesh["dp", "fsdp"] if layout.dp > 1 else mesh["fsdp"]

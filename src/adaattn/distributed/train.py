@@ -97,6 +97,9 @@ def main(
     save: Annotated[Path | None, typer.Option(help="a folder to write the checkpoint to after the steps")] = None,
     trace_steps: Annotated[int, typer.Option(min=0, help="steps after the timed ones traced on the GPU: the "
                                              "exposed share of communication")] = 0,
+    shard_one: Annotated[bool, typer.Option(help="FSDP2 at parallel.fsdp=1 too: one rank in FSDP2's precision "
+                                            "regime (its MixedPrecisionPolicy), the baseline FSDP2 runs are "
+                                            "read against")] = False,
 ) -> None:
     """Train ``--model`` for ``--steps`` in params.yaml's ``parallel`` layout."""
     console = Console(stderr=True, soft_wrap=True)  # each rank's lines whole in a launcher's log
@@ -126,7 +129,10 @@ def main(
                               "checkpoint would not load as the unsharded model; checkpoints run with tp=1")
         if load is not None and not (load / ".metadata").is_file():
             raise ConfigError(f"--load {load}: not a checkpoint folder (no .metadata; --save writes one)")
-        if dtype == "fp16" and layout.fsdp > 1:
+        if shard_one and (layout.fsdp > 1 or layout.dp > 1 or layout.tp > 1):
+            raise ConfigError("--shard-one is FSDP2 on one rank (parallel.world_size=1); with more ranks set "
+                              "parallel.fsdp instead")
+        if dtype == "fp16" and (layout.fsdp > 1 or shard_one):
             raise ConfigError("--dtype fp16 with parallel.fsdp > 1: the trainer's GradScaler does not reduce "
                               "across shards; allowed with fsdp: bf16, fp32")
     except ConfigError as err:
@@ -142,7 +148,7 @@ def main(
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
             else torch.device("cpu")
         torch.manual_seed(seed)
-        net = parallelize(build_model(cfg, device=device), layout, mesh)
+        net = parallelize(build_model(cfg, device=device), layout, mesh, shard_one=shard_one)
         optimizer = torch.optim.AdamW(param_groups(net, 0.1), lr=lr, betas=(0.9, 0.95),
                                       fused=device.type == "cuda")
         trainer = Trainer(net, optimizer, dtype=dtype, tf32=True if device.type == "cuda" else None)

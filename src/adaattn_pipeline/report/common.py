@@ -118,6 +118,24 @@ def use_knobs(verdicts):
         _knobs.pop()
 
 
+_params: list = []  # the whole params the reports are rendered under (render_all sets it)
+
+
+def rendered_params():
+    """The validated params the reports are rendered under (None outside ``use_params``): for a study's goals filed
+    in its own section outside the results' hash (G3-T4's ``quality``)."""
+    return _params[-1] if _params else None
+
+
+@contextlib.contextmanager
+def use_params(params):
+    _params.append(params)
+    try:
+        yield
+    finally:
+        _params.pop()
+
+
 def cpu_targets(df: pd.DataFrame) -> set[str]:
     """The targets whose results were measured without CUDA (their rows have no CUDA version)."""
     cuda = df["cuda"] if "cuda" in df else pd.Series(float("nan"), index=df.index)

@@ -16,7 +16,7 @@ from adaattn_pipeline.bench.results import read_study
 from adaattn_pipeline.codegraph import study_code_hash
 from adaattn_pipeline.config import Params, param_values, params_hash
 from adaattn_pipeline.report.common import (STALE, Section, Verdict, figures_off, guide_figures, is_stale, md_table,
-                                           provenance_table, use_knobs)
+                                           provenance_table, use_knobs, use_params)
 
 
 def report_of(study: Any) -> Callable[[pd.DataFrame, Path], list[Section]]:
@@ -184,7 +184,7 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
     by_id: dict[str, list[tuple[str, Section]]] = {}
     stale: dict[str, dict[str, str]] = {}
     for name, study in studies.items():
-        with use_knobs(params.verdicts):
+        with use_knobs(params.verdicts), use_params(params):
             sections, stale[name] = render_study(study, params, raw, results_root, reports_root)
         for section in sections:
             by_id.setdefault(section.table_id, []).append((name, section))

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -24,7 +25,8 @@ from adaattn_pipeline.bench.results import read_results
 KEY_TAG = "adaattn.key"  # "<study>/<target>" on parent runs
 SHA_TAG = "adaattn.results_sha256"
 FORMAT_TAG = "adaattn.log_format"
-LOG_FORMAT = "6"  # what a run holds: a file logged in another format is logged again
+LOG_FORMAT = "8"  # what a run holds: a file logged in another format is logged again
+CHILD_PROVENANCE = ("target", "hardware")  # a child run's provenance tags; the parent carries all of it
 STEP = "step"  # a results column of training steps: its rows are one run's metric histories, not runs apart
 
 
@@ -65,41 +67,42 @@ def _epoch_ms(measured_at: str) -> int:
 
 
 def _child_runs(df: pd.DataFrame, config_columns: list[str]):
-    """(run name, params, metrics, tags) per (case, provider), and per value of a config column that varies
-    within one (a per-head estimate, say): each distinct row is its own run's metric, none overwrites another."""
+    """(run name, params, metrics, tags) per (case, provider). A config column that varies within one (a per-head
+    estimate, say) names its value in the metric's key (``fwd.entropy_rank.head_3``): each distinct row is its own
+    metric, none overwrites another, and the server is sent one run where there would be one a head."""
     runs = df[df["case_id"] != "machine"]
     for (case_id, provider), grp in runs.groupby(["case_id", "provider"], sort=False):
         cols = [c for c in config_columns if c in grp and c != STEP]
         varying = [c for c in cols if grp[c].nunique(dropna=False) > 1]
-        for values, sub in (grp.groupby(varying, sort=False, dropna=False) if varying else [((), grp)]):
-            first = sub.iloc[0]
-            params = {c: _clean(first[c]) for c in cols}
-            params.update(provider=provider, table_id=_clean(first["table_id"]))
-            metrics: dict[str, list[tuple[float, int]]] = {}  # key -> (value, step): a curve is a history
-            tags = {"table_id": _clean(first["table_id"]), "case_id": case_id}
-            for _, r in sub.iterrows():
-                mode = _clean(r["mode"])
-                key = _key(mode, r["metric"])
-                step = int(r[STEP]) if STEP in r and not pd.isna(r[STEP]) else 0
-                if r["status"] == "ok" and not pd.isna(r["value"]):
-                    metrics.setdefault(key, []).append((float(r["value"]), step))
-                    if not pd.isna(r["p20"]):
-                        metrics.setdefault(f"{key}_p20", []).append((float(r["p20"]), step))
-                        metrics.setdefault(f"{key}_p80", []).append((float(r["p80"]), step))
-                tags[_tag("status", mode)] = r["status"]
-                if _clean(r["reason"]):
-                    tags[_tag("reason", mode)] = _clean(r["reason"])[:5000]
-                if _clean(r["kernel"]):
-                    tags[_tag("kernel", mode)] = _clean(r["kernel"])
-            yield (f"{provider} · {case_id}" + "".join(f" · {c} {_clean(v)}" for c, v in zip(varying, values)),
-                   params, metrics, tags)
+        first = grp.iloc[0]
+        params = {c: _clean(first[c]) for c in cols if c not in varying}
+        params.update(provider=provider, table_id=_clean(first["table_id"]))
+        metrics: dict[str, list[tuple[float, int]]] = {}  # key -> (value, step): a curve is a history
+        tags = {"table_id": _clean(first["table_id"]), "case_id": case_id}
+        for _, r in grp.iterrows():
+            mode = _clean(r["mode"])
+            key = _key(mode, r["metric"]) + "".join(f".{c}_{_clean(r[c])}" for c in varying)
+            step = int(r[STEP]) if STEP in r and not pd.isna(r[STEP]) else 0
+            if r["status"] == "ok" and not pd.isna(r["value"]):
+                metrics.setdefault(key, []).append((float(r["value"]), step))
+                if not pd.isna(r["p20"]):
+                    metrics.setdefault(f"{key}_p20", []).append((float(r["p20"]), step))
+                    metrics.setdefault(f"{key}_p80", []).append((float(r["p80"]), step))
+            tags[_tag("status", mode)] = r["status"]
+            if _clean(r["reason"]):
+                tags[_tag("reason", mode)] = _clean(r["reason"])[:5000]
+            if _clean(r["kernel"]):
+                tags[_tag("kernel", mode)] = _clean(r["kernel"])
+        yield f"{provider} · {case_id}", params, metrics, tags
 
 
 def log_results_file(client, study: str, path: Path, config_columns: list[str], artifacts: list[Path],
-                     report: Path | None = None, verdicts: Path | None = None, stale: str | None = None) -> str:
+                     report: Path | None = None, verdicts: Path | None = None, stale: str | None = None,
+                     workers: int = 1) -> str:
     """Log one results file (its figures in ``artifacts``, the study's ``report`` beside them, its ``verdicts``
     table and the guide's figures for its table ids; the verdicts on this target's hardware counted in tags, none
-    where the target is ``stale`` (why, a tag instead)); returns 'unchanged' or 'logged'."""
+    where the target is ``stale`` (why, a tag instead)); returns 'unchanged' or 'logged'. ``workers``: child runs
+    logged at once (a tracking server's; the local SQLite store takes one writer)."""
     from mlflow.entities import Metric, Param
 
     from adaattn_pipeline.report.common import guide_figures, is_stale
@@ -132,16 +135,28 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
     client.log_batch(pid, metrics=[Metric(f"machine.{r['metric']}", float(r["value"]), ts, 0)
                                    for _, r in machine.iterrows()],
                      params=[Param("target", target), Param("results_file", str(path))])
-    for name, params, metrics, tags in _child_runs(df, config_columns):
+    def log_child(name: str, params: dict, metrics: dict, tags: dict) -> None:
         # started at the measurement's time, before every parent (started now): the runs table, newest first,
         # opens on the parents, their children folded under them, however many children there are
+        # provenance whole on the parent (one per results file); a child keeps what a filter over the runs table
+        # needs (its target and hardware): thousands of children's tag rows are most of a server's work
         child = client.create_run(exp_id, run_name=name, start_time=ts, tags={
-            "mlflow.parentRunId": pid, "study": study, **prov, **tags})
+            "mlflow.parentRunId": pid, "study": study, **{k: prov[k] for k in CHILD_PROVENANCE if k in prov},
+            **tags})
         points = [Metric(k, v, ts, step) for k, vs in metrics.items() for v, step in vs]
         client.log_batch(child.info.run_id, metrics=points[:1000], params=[Param(k, v) for k, v in params.items()])
         for i in range(1000, len(points), 1000):  # MLflow takes at most 1000 metrics a batch (a long curve)
             client.log_batch(child.info.run_id, metrics=points[i:i + 1000])
         client.set_terminated(child.info.run_id, end_time=ts)
+
+    children = list(_child_runs(df, config_columns))
+    if workers > 1:  # a server: its round trips overlap (three a child run, thousands of runs)
+        with ThreadPoolExecutor(workers) as pool:
+            for done in [pool.submit(log_child, *c) for c in children]:
+                done.result()
+    else:
+        for c in children:
+            log_child(*c)
     for art in artifacts:
         client.log_artifact(pid, str(art), artifact_path="figures")
     if report is not None and report.is_file():
@@ -161,14 +176,18 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
     return "logged"
 
 
-def sync(studies: dict, results_root: Path, reports_root: Path, root: Path, manifest: Path) -> dict:
-    """Log every results file of every study; write a deterministic manifest (the DVC output)."""
+def sync(studies: dict, results_root: Path, reports_root: Path, root: Path, manifest: Path, workers: int = 16) -> dict:
+    """Log every results file of every study; write a deterministic manifest (the DVC output). ``workers``: child
+    runs logged at once where the store is a tracking server (HTTP); one at a time into the local SQLite file."""
     import mlflow
     from mlflow import MlflowClient
 
     from adaattn_pipeline.report.render import stale_path, verdicts_path
 
     uri = tracking_uri(root)
+    remote = uri.startswith(("http://", "https://"))
+    if remote:  # MLflow's HTTP pool keeps 10 connections: each worker its own, none opened again
+        os.environ.setdefault("MLFLOW_HTTP_POOL_MAXSIZE", str(workers))
     mlflow.set_tracking_uri(uri)
     client = MlflowClient(uri)
     summary: dict[str, dict[str, str]] = {}
@@ -176,12 +195,16 @@ def sync(studies: dict, results_root: Path, reports_root: Path, root: Path, mani
     stale = json.loads(stale_path(reports_root).read_text()) if stale_path(reports_root).is_file() else {}
     for name, study in studies.items():
         for path in sorted((results_root / name).glob("*.csv")):
-            # a figure names its target as one of its name's "_"-separated parts (g2_b_seq_h100, G1-T1_h100_bf16)
-            figures = sorted(f for f in (reports_root / name).glob("*.png") if path.stem in f.stem.split("_"))
+            # a figure names its target as one of its name's "_"-separated parts (g2_b_seq_h100, G1-T1_h100_bf16);
+            # one that names none of the study's targets shows them all (g3_t4_memory): every target's run has it
+            pngs = sorted((reports_root / name).glob("*.png"))
+            targets = {p.stem for p in (results_root / name).glob("*.csv")}
+            figures = [f for f in pngs if path.stem in f.stem.split("_") or not targets & set(f.stem.split("_"))]
             actions[f"{name}/{path.stem}"] = log_results_file(client, name, path, study.config_columns, figures,
                                                               reports_root / f"{name}.md",
                                                               verdicts_path(reports_root, name),
-                                                              stale.get(name, {}).get(path.stem))
+                                                              stale.get(name, {}).get(path.stem),
+                                                              workers if remote else 1)
             summary.setdefault(name, {})[path.stem] = _sha(path)
     store = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "mlflow.db"
     tmp = manifest.with_suffix(".tmp")
