@@ -100,6 +100,12 @@ def test_the_goals_read_the_best_config(tmp_path):
     section, _ = render(_frame({"plain": 180.0, "kernels": 185.0}, {"kernels": (0.97, 0.96, 0.98)}), tmp_path)
     mfu, speedup = section.verdicts
     assert mfu.verdict == "worse than claimed" and speedup.measured.startswith("1x")
+    # an FP8 rate that could not be measured is a row that says why: fp8's MFU reads "-", nothing else changes
+    failed = _frame({"plain": 180.0, "fp8": 150.0}, {"fp8": (1.2, 1.18, 1.22)}, fp8_rate=2000.0)
+    failed.loc[failed["metric"] == "fp8_gemm_tflops", ["value", "status"]] = [None, "error"]
+    section, _ = render(failed, tmp_path)
+    row = next(line for line in section.markdown.splitlines() if line.startswith("| h100") and "| fp8 " in line)
+    assert "fp8 not measured" in row and [c.strip() for c in row.split("|")][7] == "-"
     section, _ = render(_frame({"plain": 150.0}, {}), tmp_path)
     assert section.verdicts[0].measured == "66.7% (plain)" and section.verdicts[0].verdict == "holds"
     # g0_transformer has an MFU goal and no speedup goal; a CPU target is not judged

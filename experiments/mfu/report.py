@@ -14,7 +14,7 @@ GB = 2**20 / 1e9  # MiB -> GB
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     runs = df[df["case_id"] != "machine"]
-    machine = df[df["case_id"] == "machine"]
+    machine = df[(df["case_id"] == "machine") & (df["status"] == "ok") & df["value"].notna()]
     rates = {name: machine[machine["metric"] == metric].set_index("target")["value"]
              for name, metric in (("bf16", "gemm_tflops"), ("fp8", "fp8_gemm_tflops"))}
     ratios, cpus = paired_frame(runs), cpu_targets(df)

@@ -119,10 +119,16 @@ class Mfu(StudyDef):
         rows: list[dict] = []
         if any("fp8" in case.configs for case in sweep.cases) and fp8_unavailable(self.device) is None:
             # an fp8 config's MFU is counted against the FP8 GEMM rate of this run, not the bf16 one
-            rate = fp8_gemm_tflops(make_timer(self.device, params.bench))
-            rows.append({"table_id": "", "case_id": "machine", "provider": "machine", "mode": "", "status": "ok",
-                         "reason": "", "metric": "fp8_gemm_tflops", "value": rate, "unit": "TFLOP/s",
-                         "kernel": f"fp8 e4m3 GEMM {8192}^3 (torch._scaled_mm, tensorwise scales, bf16 out)"})
+            row = {"table_id": "", "case_id": "machine", "provider": "machine", "mode": "", "metric": "fp8_gemm_tflops",
+                   "unit": "TFLOP/s", "kernel": "fp8 e4m3 GEMM 8192^3 (torch._scaled_mm, tensorwise scales, bf16 out)"}
+            try:
+                rows.append({**row, "value": fp8_gemm_tflops(make_timer(self.device, params.bench)), "status": "ok",
+                             "reason": ""})
+            except Exception as err:  # noqa: BLE001 - no rate is a row that says why; fp8's MFU then reads "-"
+                from adaattn.errors import classify_error
+
+                status, why = classify_error(err)
+                rows.append({**row, "value": None, "status": status, "reason": why})
         # past its recompile limit dynamo would run a block eager, silently: an error row instead
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             for case in sweep.cases:
