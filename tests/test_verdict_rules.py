@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from adaattn_pipeline.codegraph import study_code_hash
 from adaattn_pipeline.config import load_params, param_values, params_hash, validate
@@ -142,3 +143,16 @@ def test_a_bf16_goal_is_judged_on_bf16_configs():
     with use_knobs(params.verdicts):
         mfu = _goals("h100", "c", "llama_1b", "H100", "fp8", ("kernels", 0.56), 800.0, ratios, cpu=False)[0]
     assert mfu.measured == "56.0% (kernels)" and mfu.verdict == "worse than claimed"
+
+
+def test_dvc_metrics_show_is_one_narrow_row():
+    """DVC's metrics file holds the claims per verdict (a handful of columns); the counts per table id (some 50
+    columns in `dvc metrics show`) are a tracked file beside it, and the two agree."""
+    import json
+
+    totals = json.loads((REPO / "metrics/verdict_totals.json").read_text())
+    per_table = json.loads((REPO / "metrics/verdicts.json").read_text())
+    assert all(isinstance(n, int) for n in totals.values()) and len(totals) <= 8
+    assert totals == {v: sum(c.get(v, 0) for c in per_table.values()) for v in totals}
+    dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["report"]
+    assert [list(m)[0] for m in dvc["metrics"]] == ["metrics/verdict_totals.json"]

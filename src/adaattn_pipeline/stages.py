@@ -77,9 +77,9 @@ def pipeline(raw: dict) -> dict:
         "cmd": "adaattn report",
         "deps": ["results", "src", "experiments"],
         "params": [{"params.yaml": None}],
-        "outs": [{"reports": {"cache": False, "persist": True}}],
-        # `dvc metrics show` / `dvc metrics diff`: claims per verdict, per table id
-        "metrics": [{"metrics/verdicts.json": {"cache": False}}],
+        "outs": [{"reports": {"cache": False, "persist": True}}, {"metrics/verdicts.json": {"cache": False}}],
+        # `dvc metrics show` / `dvc metrics diff`: claims per verdict (one narrow row); per table id in verdicts.json
+        "metrics": [{"metrics/verdict_totals.json": {"cache": False}}],
     }
     stages["mlflow"] = {
         "cmd": "adaattn log",

@@ -167,14 +167,30 @@ def counted(by_id: Mapping[str, list[tuple[str, Section]]]) -> dict[str, list[tu
     return out
 
 
+def totals_path(metrics_path: Path) -> Path:
+    """Where the totals go: beside the counts per table id."""
+    return metrics_path.with_name("verdict_totals.json")
+
+
 def verdict_metrics(by_id: Mapping[str, list[tuple[str, Section]]]) -> dict[str, dict[str, int]]:
-    """Per table id, how many of its claims got each verdict (over every study that judges it): what
-    ``dvc metrics show`` and ``dvc metrics diff`` read (keys with underscores for DVC's command line)."""
+    """Per table id, how many of its claims got each verdict (over every study that judges it; keys with
+    underscores for DVC's command line): ``metrics/verdicts.json``, tracked in git (``git diff`` says which table's
+    verdicts moved)."""
     out = {}
     for table_id, verdicts in sorted(counted(by_id).items()):
         counts = pd.Series([v.verdict for _, v in verdicts], dtype=object).value_counts()
         out[table_id] = {k.replace(" ", "_"): int(n) for k, n in counts.items()}
     return out
+
+
+def verdict_totals(per_table: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """Claims per verdict over every table: DVC's metrics file, one narrow row in ``dvc metrics show`` (the counts
+    per table id are ``metrics/verdicts.json``, a row of some 50 columns there)."""
+    totals: dict[str, int] = {}
+    for counts in per_table.values():
+        for verdict, n in counts.items():
+            totals[verdict] = totals.get(verdict, 0) + n
+    return dict(sorted(totals.items()))
 
 
 def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_root: Path,
@@ -229,7 +245,9 @@ def render_all(studies: Mapping[str, Any], params: Params, raw: dict, results_ro
                                         + "\n")
     if metrics_path is not None:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        metrics_path.write_text(json.dumps(verdict_metrics(by_id), indent=1, sort_keys=True) + "\n")
+        per_table = verdict_metrics(by_id)
+        metrics_path.write_text(json.dumps(per_table, indent=1, sort_keys=True) + "\n")
+        totals_path(metrics_path).write_text(json.dumps(verdict_totals(per_table), indent=1) + "\n")
     return reports_root / "README.md"
 
 
