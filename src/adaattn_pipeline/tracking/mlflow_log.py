@@ -135,11 +135,12 @@ def log_results_file(client, study: str, path: Path, config_columns: list[str], 
     client.log_batch(pid, metrics=[Metric(f"machine.{r['metric']}", float(r["value"]), ts, 0)
                                    for _, r in machine.iterrows()],
                      params=[Param("target", target), Param("results_file", str(path))])
+
     def log_child(name: str, params: dict, metrics: dict, tags: dict) -> None:
         # started at the measurement's time, before every parent (started now): the runs table, newest first,
         # opens on the parents, their children folded under them, however many children there are
         # provenance whole on the parent (one per results file); a child keeps what a filter over the runs table
-        # needs (its target and hardware): thousands of children's tag rows are most of a server's work
+        # needs (its target and hardware)
         child = client.create_run(exp_id, run_name=name, start_time=ts, tags={
             "mlflow.parentRunId": pid, "study": study, **{k: prov[k] for k in CHILD_PROVENANCE if k in prov},
             **tags})
