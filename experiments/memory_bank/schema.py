@@ -17,7 +17,7 @@ RECALL_SPAN = 32  # a recall sequence's bytes besides its distance (the key's li
 class PasskeyMix(_Section):
     """The recall task's lines mixed into the training text, as long-context training mixes its tasks in: about
     every ``every`` bytes a line ``passkey = "NNNNN"`` and, 16 to ``max_distance`` bytes later, the same line
-    again. Without it the models never see the task: after 200 steps they read the digits back below chance."""
+    again: a model learns to read a passkey back only from text that holds the task."""
 
     every: PositiveInt
     max_distance: Annotated[int, Field(ge=16)]
