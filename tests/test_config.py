@@ -128,8 +128,8 @@ def test_target_checks(repo):
     with pytest.raises(ConfigError, match="allowed: cpu"):
         resolve_target(params, "tpu")
     resolve_target(params, "cpu")
-    with pytest.raises(ConfigError, match=r"study 'kernels' has no target 'h200' .*its targets: cpu, h100"):
-        check_study_target("kernels", params, "h200")
+    with pytest.raises(ConfigError, match=r"study 'cpu_baseline' has no target 'h200' .*its targets: cpu"):
+        check_study_target("cpu_baseline", params, "h200")
     check_study_target("kernels", params, "h100")
     check_study_target("attention_backends", params, "h200")
     with pytest.raises(ConfigError, match=r"study .attention_backends. has no target .h100x2."):

@@ -32,10 +32,12 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         index=["target", "hardware", "case_id", "inputs", "true_rank", "seq_len", "head_dim"],
         columns=["metric", "provider"],
         values="value")
-    # which Nyström implementation ran (the harness records the kernels of each timed call)
-    names = ok[ok["metric"] == "time_ms"].set_index(["case_id", "provider"])["kernel"].fillna("")
+    # which Nyström implementation ran (the harness records the kernels of each timed call); every per-case
+    # lookup is keyed by (target, case_id): two GPUs of one profile run the same case ids
+    names = ok[ok["metric"] == "time_ms"].set_index(["target", "case_id", "provider"])["kernel"].fillna("")
     tol = _tolerance(df)
-    heads_of = (ok["batch"] * ok["heads"]).groupby(ok["case_id"]).first().dropna().astype(int).to_dict()
+    heads_of = (ok["batch"] * ok["heads"]).groupby([ok["target"], ok["case_id"]]).first().dropna().astype(int)
+    heads_of = heads_of.to_dict()
     floors = _solve_floors(ok)
     parts, rows, goal_rows = [], [], []
     err = ok[(ok["metric"] == "rel_l2") & ok["provider"].map(lambda p: low_rank_of(p) is not None)].copy()
@@ -67,11 +69,12 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         name = f"g2_c1_entropy_vs_rank_{target}.png"
         save_figure(grid.figure, out_dir / name)
         parts.append(f"![entropy rank vs sampled spectrum rank per head, {target}]({out_dir.name}/{name})\n")
-    policy = ok[ok["provider"] == "policy"].pivot_table(index="case_id", columns="metric", values="value")
-    reasons = runs[runs["metric"] == "policy_rank"].set_index("case_id")["reason"]
-    policy_path = runs[runs["metric"] == "policy_rank"].set_index("case_id")["kernel"].fillna("")
-    est_mean = est.groupby("case_id")[[c for c in ("spectrum_rank_sampled", "spectrum_rank_full", "entropy_rank")
-                                       if c in est]].mean()
+    policy = ok[ok["provider"] == "policy"].pivot_table(index=["target", "case_id"], columns="metric",
+                                                         values="value")
+    reasons = runs[runs["metric"] == "policy_rank"].set_index(["target", "case_id"])["reason"]
+    policy_path = runs[runs["metric"] == "policy_rank"].set_index(["target", "case_id"])["kernel"].fillna("")
+    est_mean = est.groupby(["target", "case_id"])[
+        [c for c in ("spectrum_rank_sampled", "spectrum_rank_full", "entropy_rank") if c in est]].mean()
     for idx, r in timed.iterrows():
         target, hw, case_id, inputs, true_rank, S, D = idx
         times, errs = r["time_ms"].dropna(), r["rel_l2"].dropna()
@@ -82,17 +85,18 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         low = sorted((c for c in map(low_rank_of, errs.index) if c is not None),
                      key=lambda c: (c.rank, LOW_RANK_METHODS.index(c.method)))
         oracle = next((c for c in low if errs[f"{c.method}-{c.rank}"] <= tol), None)
-        pol = policy.loc[case_id] if case_id in policy.index else pd.Series(dtype=float)
+        key = (target, case_id)
+        pol = policy.loc[key] if key in policy.index else pd.Series(dtype=float)
         prank = int(pol.get("policy_rank", 0) or 0)
-        e = est_mean.loc[case_id] if case_id in est_mean.index else pd.Series(dtype=float)
+        e = est_mean.loc[key] if key in est_mean.index else pd.Series(dtype=float)
         rows.append({"target": target, "inputs": inputs, "S": int(S), "true rank": int(true_rank) or "-",
                      "sampled spectrum rank (mean over heads)": fmt(e.get("spectrum_rank_sampled")),
                      "full-matrix rank": fmt(e.get("spectrum_rank_full")),
                      "entropy rank": fmt(e.get("entropy_rank")),
-                     "policy path": f"{policy_path.get(case_id, '')} {prank}" if prank else
-                     f"exact ({policy_path[case_id]})" if policy_path.get(case_id) else "exact",
+                     "policy path": f"{policy_path.get(key, '')} {prank}" if prank else
+                     f"exact ({policy_path[key]})" if policy_path.get(key) else "exact",
                      "policy rel L2": fmt(errs.get("policy")),
-                     "policy ms": fmt(times.get("policy")), "why exact": reasons.get(case_id, "") if not prank else "",
+                     "policy ms": fmt(times.get("policy")), "why exact": reasons.get(key, "") if not prank else "",
                      f"oracle path (rel L2 <= {tol:g})": str(oracle) if oracle else "none",
                      "best exact": best or "-", "best exact ms": fmt(times.get(best)) if best else "-"})
         if best and S >= knobs().low_rank_min_len:
@@ -108,11 +112,11 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                     # the batched solve's cost; the fused path solves inside one kernel (not these launches),
                     # the pooled path solves nothing
                     floor = {} if method != "nystrom" or fused_solve(n, int(D)) else \
-                        floors.get((heads_of.get(case_id), n, int(D)), {})
+                        floors.get((target, heads_of.get(key), n, int(D)), {})
                     budget = (side[sbest] if sbest else times[best]) / bound
                     goal_rows.append({
                         "target": target, "hardware": hw, "inputs": inputs, "S": int(S), "method": method,
-                        "landmarks": n, "path": _path(method, names.get((case_id, p), ""), n, int(D)),
+                        "landmarks": n, "path": _path(method, names.get((target, case_id, p), ""), n, int(D)),
                         "speedup vs best exact": per_call,
                         "speedup by kernel time": (ktimes[kbest] / ktimes[p] if kbest in ktimes and p in ktimes
                                                    else float("nan")),
@@ -162,12 +166,12 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     return [Section("G2-C1", "Adaptive rank (rank estimate, low-rank paths, policy)", md, verdicts)]
 
 
-def _solve_floors(ok: pd.DataFrame) -> dict[tuple[int, int, int], dict[str, float]]:
-    """(batch x heads, landmarks, head dim) -> the solve's floors (ms) from the ``solve-<r>`` rows."""
+def _solve_floors(ok: pd.DataFrame) -> dict[tuple[str, int, int, int], dict[str, float]]:
+    """(target, batch x heads, landmarks, head dim) -> the solve's floors (ms) from the ``solve-<r>`` rows."""
     f = ok[ok["provider"].str.startswith("solve-", na=False) & ok["metric"].isin(list(SOLVE_FLOORS))]
-    out: dict[tuple[int, int, int], dict[str, float]] = {}
+    out: dict[tuple[str, int, int, int], dict[str, float]] = {}
     for _, x in f.iterrows():
-        key = (int(x["batch"] * x["heads"]), int(x["provider"].removeprefix("solve-")), int(x["head_dim"]))
+        key = (x["target"], int(x["batch"] * x["heads"]), int(x["provider"].removeprefix("solve-")), int(x["head_dim"]))
         out.setdefault(key, {})[x["metric"]] = x["value"]
     return out
 

@@ -122,7 +122,9 @@ def _goal_table(runs: pd.DataFrame, bound: dict[tuple, float]) -> tuple[pd.DataF
               for name, (metric, _, _) in READINGS.items()}
     keys = sorted({k for f in frames.values() for k in f.index}, key=str)
     cases = runs.drop_duplicates("case_id").set_index("case_id")
-    compiled = runs[runs["metric"] == "compiled_paired_ratio"].drop_duplicates("case_id").set_index("case_id")
+    # the case's shape is its id's on every target; the compile mode that ran is read per target
+    compiled = runs[runs["metric"] == "compiled_paired_ratio"].drop_duplicates(["target", "case_id"])
+    compiled = compiled.set_index(["target", "case_id"])
     modes = compiled["kernel"] if "kernel" in compiled else pd.Series(dtype=str)  # the compile mode
     rows, judged = [], {}
     for key in keys:
@@ -143,8 +145,8 @@ def _goal_table(runs: pd.DataFrame, bound: dict[tuple, float]) -> tuple[pd.DataF
                 judged.setdefault((target, name), []).append((row, r))
             elif name == "eager":
                 row[name] += " (host-bound: no goal)"
-        if case_id in modes.index:
-            row["compiled"] += f" [{modes[case_id]}]" if row.get("compiled", "-") != "-" else ""
+        if (target, case_id) in modes.index:
+            row["compiled"] += f" [{modes[(target, case_id)]}]" if row.get("compiled", "-") != "-" else ""
         rows.append(row)
     hw = dict(zip(runs["target"], runs["hardware"], strict=False))
     verdicts = []
