@@ -171,7 +171,8 @@ def _solve_floors(ok: pd.DataFrame) -> dict[tuple[str, int, int, int], dict[str,
     f = ok[ok["provider"].str.startswith("solve-", na=False) & ok["metric"].isin(list(SOLVE_FLOORS))]
     out: dict[tuple[str, int, int, int], dict[str, float]] = {}
     for _, x in f.iterrows():
-        key = (x["target"], int(x["batch"] * x["heads"]), int(x["provider"].removeprefix("solve-")), int(x["head_dim"]))
+        key = (x["target"], int(x["batch"] * x["heads"]), int(x["provider"].removeprefix("solve-")),
+               int(x["head_dim"]))
         out.setdefault(key, {})[x["metric"]] = x["value"]
     return out
 
