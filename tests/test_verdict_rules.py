@@ -156,3 +156,21 @@ def test_dvc_metrics_show_is_one_narrow_row():
     assert totals == {v: sum(c.get(v, 0) for c in per_table.values()) for v in totals}
     dvc = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["report"]
     assert [list(m)[0] for m in dvc["metrics"]] == ["metrics/verdict_totals.json"]
+
+
+def test_two_targets_of_one_profile_keep_their_own_cases(tmp_path):
+    """Two GPUs of one profile run the same case ids: the rank report reads each target's policy and kernels from its
+    own rows (it looked cases up by id alone and failed once the H100 and H200 targets both had results)."""
+    from adaattn_experiments.rank.report import render
+
+    params, _ = load_params(REPO / "params.yaml")
+    one = pd.read_csv(REPO / "results" / "rank" / "h200.csv", low_memory=False)
+    other = one.assign(target="h200b")
+    policy = (other["provider"] == "policy") & (other["metric"] == "policy_rank")
+    other.loc[policy, "kernel"] = "other-path"  # what the second target's policy ran, as its rows say
+    (tmp_path / "rank").mkdir()
+    with use_knobs(params.verdicts):
+        (section,) = render(pd.concat([one, other], ignore_index=True), tmp_path / "rank")
+    rows = [line for line in section.markdown.splitlines() if line.startswith("| h200")]
+    assert any(r.startswith("| h200b ") and "other-path" in r for r in rows)
+    assert not any(r.startswith("| h200 ") and "other-path" in r for r in rows)
