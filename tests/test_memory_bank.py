@@ -24,6 +24,9 @@ TOY = {"models": {"standard": "ltm_small_dense", "window": "ltm_small_window", "
        "eval_contexts": [32, 128], "recall_distances": [32, 96], "recall_trials": 2}
 
 
+TRIO = {"standard": "ltm_small_dense", "window": "ltm_small_window", "ltm": "ltm_small"}
+
+
 def _raw(update=None, presets=None):
     raw = copy.deepcopy(load_raw(PARAMS))
     raw["models"]["ltm_small"].update({**SMALL, "segment_len": 16, "memory_slots": 8, "memory_compression": 4})
@@ -82,10 +85,37 @@ def test_the_training_text_carries_passkey_pairs_and_nothing_else_changes():
     ({"contexts": [512]}, None, "G3-T4.cpu.seq_len=512 is over models.ltm_small_dense.max_seq_len"),
     ({"models": {"standard": "nope", "window": "ltm_small_window", "ltm": "ltm_small"}}, None,
      "'nope' is not a preset of models"),
+    ({"quality_models": {"standard": "ltm_small_dense", "ltm": "ltm_small"}}, None,
+     "quality_models needs one preset for each role"),
+    ({"quality_models": {"standard": "ltm_small_dense", "window": "ltm_small_dense", "ltm": "ltm_small"}}, None,
+     "quality_models.window: 'ltm_small_dense' needs an attention_window"),
+    # the trained trio reads the training, evaluation and recall sequences; the memory trio only its contexts
+    ({"quality_models": TRIO, "recall_distances": [300]}, None, "is over models.ltm_small_dense.max_seq_len"),
 ])
 def test_bad_configs_are_named(update, presets, message):
     with pytest.raises(ConfigError, match=message):
         validate(_raw(update, presets))
+
+
+def test_a_quality_trio_of_its_own_is_the_one_trained():
+    """``quality_models``: the memory rows come from ``models``, the trained rows from the quality trio (smaller
+    models learn the task within a GPU call); both trios are the stage's presets."""
+    from adaattn_experiments.memory_bank.study import STUDY
+
+    small = {**SMALL, "dim": 16, "n_heads": 2}
+    quality = {"standard": "q_dense", "window": "q_window", "ltm": "q_ltm"}
+    raw = _raw({"contexts": [64], "quality_models": quality, "eval_contexts": [32], "recall_distances": [32]})
+    raw["models"].update({"q_dense": {**small, "max_seq_len": 128},
+                          "q_window": {**small, "max_seq_len": 128, "attention_window": 16},
+                          "q_ltm": {**small, "segment_len": 16, "memory_slots": 8, "memory_compression": 4}})
+    params = validate(raw)
+    assert STUDY.presets(raw, "G3-T4", "cpu") == [*TRIO.values(), *quality.values()]
+    df = pd.DataFrame(STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
+    memory = df[df["metric"].isin(["peak_mb", "state_mb"])]
+    assert set(memory["model"]) == {"ltm_small_dense", "ltm_small"}
+    trained = df[df["metric"].isin(["train_loss", "val_loss", "recall_accuracy"])]
+    assert set(zip(trained["role"], trained["model"])) == set(quality.items())
+    assert (trained["status"] == "ok").all()
 
 
 def test_memory_by_context_and_the_trained_models_quality(tmp_path):

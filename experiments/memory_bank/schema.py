@@ -28,12 +28,16 @@ class MemoryBankRun(_Section):
     (``models``: role -> preset). Memory: at each of ``contexts`` tokens (``batch`` sequences, weights in
     ``dtype``), a forward's peak over the weights (the standard model with SDPA's math backend, the scores in
     memory, and with its fused ones; the LTM model segment by segment) and the state kept for the next token
-    (the standard model's KV cache, the LTM model's segment caches and banks). Quality: each model trained on ``train``'s schedule
-    (the same text, batches and steps; ``passkey_mix``: the recall task's lines mixed into it); its validation
-    loss at each of ``eval_contexts``; and a passkey's recall at each of ``recall_distances`` (``recall_trials``
-    sequences each)."""
+    (the standard model's KV cache, the LTM model's segment caches and banks). Quality: each model of
+    ``quality_models`` (``models`` where it is null) trained on ``train``'s schedule (the same text, batches and
+    steps; ``passkey_mix``: the recall task's lines mixed into it); its validation loss at each of
+    ``eval_contexts``; and a passkey's recall at each of ``recall_distances`` (``recall_trials`` sequences each).
+    A smaller quality trio is what lets the lookup be learned inside one GPU call: a model reads a passkey
+    back only after far more steps than a 350M model can take there (docs/notebook.md, 2026-11-28,
+    seventeenth session)."""
 
     models: dict[Literal[MEMORY_BANK_ROLES], str]  # type: ignore[valid-type]
+    quality_models: dict[Literal[MEMORY_BANK_ROLES], str] | None = None  # type: ignore[valid-type]
     batch: PositiveInt = 1
     contexts: Annotated[list[PositiveInt], Field(min_length=1)]
     dtype: Literal["bf16", "fp32"] = "bf16"
@@ -44,11 +48,18 @@ class MemoryBankRun(_Section):
     passkey_mix: PasskeyMix | None = None  # null: the training text as it is
     seed: NonNegativeInt = 0
 
+    @property
+    def trained(self) -> dict[str, str]:
+        """Role -> the preset trained for the quality side."""
+        return self.quality_models or self.models
+
     @model_validator(mode="after")
     def _roles(self) -> "MemoryBankRun":
-        if set(self.models) != set(MEMORY_BANK_ROLES):
-            raise ValueError(f"models needs one preset for each role ({', '.join(MEMORY_BANK_ROLES)}); got "
-                             f"{', '.join(self.models) or 'none'}")
+        for key in ("models", "quality_models"):
+            trio = getattr(self, key)
+            if trio is not None and set(trio) != set(MEMORY_BANK_ROLES):
+                raise ValueError(f"{key} needs one preset for each role ({', '.join(MEMORY_BANK_ROLES)}); got "
+                                 f"{', '.join(trio) or 'none'}")
         for key in ("contexts", "eval_contexts", "recall_distances"):
             values = getattr(self, key)
             if len(set(values)) != len(values):
@@ -85,11 +96,21 @@ def check(params) -> None:
 
 
 def _check_roles(params, profile: str, run: MemoryBankRun) -> None:
-    """G3-T4's three presets: each its role's kind of model, and otherwise the same model."""
-    longest = max(run.train.seq_len, *run.contexts, *run.eval_contexts, max(run.recall_distances) + RECALL_SPAN)
-    for role, name in run.models.items():  # an LTM model's positions count within a segment: any length
+    """G3-T4's presets: each trio's, each its role's kind of model, and otherwise the same model; positions for
+    the longest sequence the trio reads (the memory trio its contexts, the trained one its training, evaluation
+    and recall sequences; one trio, all of them)."""
+    quality = max(run.train.seq_len, *run.eval_contexts, max(run.recall_distances) + RECALL_SPAN)
+    if run.quality_models is None:
+        _check_trio(params, profile, "models", run.models, max(quality, *run.contexts))
+    else:
+        _check_trio(params, profile, "models", run.models, max(run.contexts))
+        _check_trio(params, profile, "quality_models", run.quality_models, quality)
+
+
+def _check_trio(params, profile: str, key: str, trio: dict[str, str], longest: int) -> None:
+    for role, name in trio.items():  # an LTM model's positions count within a segment: any length
         check_preset(params, f"G3-T4.{profile}", name, 0 if role == "ltm" else longest)
-    cfgs = {role: params.models[name] for role, name in run.models.items()}
+    cfgs = {role: params.models[name] for role, name in trio.items()}
     wrong = {"standard": cfgs["standard"].memory_slots is not None or cfgs["standard"].attention_window is not None,
              "window": cfgs["window"].attention_window is None,
              "ltm": cfgs["ltm"].memory_slots is None}
@@ -97,11 +118,11 @@ def _check_roles(params, profile: str, run: MemoryBankRun) -> None:
              "ltm": "memory_slots (a memory bank)"}
     for role, bad in wrong.items():
         if bad:
-            raise ValueError(f"G3-T4.{profile}.models.{role}: {run.models[role]!r} needs {needs[role]}")
+            raise ValueError(f"G3-T4.{profile}.{key}.{role}: {trio[role]!r} needs {needs[role]}")
     shared = ("dim", "n_layers", "n_heads", "kv_heads", "hidden", "positions")
     for role in ("window", "ltm"):
         differ = [k for k in shared if getattr(cfgs[role], k) != getattr(cfgs["standard"], k)]
         if differ:
-            raise ValueError(f"G3-T4.{profile}.models.{role}: {run.models[role]!r} differs from the standard "
-                             f"preset {run.models['standard']!r} in {', '.join(differ)}: the three compare one "
+            raise ValueError(f"G3-T4.{profile}.{key}.{role}: {trio[role]!r} differs from the standard "
+                             f"preset {trio['standard']!r} in {', '.join(differ)}: the three compare one "
                              "model with and without its memory")

@@ -11,7 +11,8 @@ segments, ``models/ltm.py``).
   what its decoder keeps for the next token (``generate.setup_kv_cache``): the standard model's KV cache for the
   context, the LTM model's segment caches and banks after prefilling the context. A model's memory at the
   context is its peak plus its state.
-- Quality: each preset trained from fresh weights on the same text, batches and steps (the train stage's run,
+- Quality: each preset of ``quality_models`` (``models`` where it is null: a smaller trio can learn the task
+  within a GPU call) trained from fresh weights on the same text, batches and steps (the train stage's run,
   ``train.py``), the recall task's lines mixed into that text where ``passkey_mix`` says (``mix_passkeys``);
   then its validation loss over windows of each of ``eval_contexts`` bytes (held-out files; the
   standard model's also with INT8 weight-only linears, the quality side of G3-T3's INT8 decode goal), and
@@ -54,7 +55,8 @@ class MemoryBank(StudyDef):
     sections = ("G3-T4",)
 
     def presets(self, raw: dict, section: str, profile: str) -> list[str]:
-        return list(raw[section][profile]["models"].values())
+        run = raw[section][profile]
+        return list(dict.fromkeys([*run["models"].values(), *(run.get("quality_models") or {}).values()]))
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -80,7 +82,7 @@ class MemoryBank(StudyDef):
             mixed = mix_passkeys(corpus.train, run.passkey_mix.every, run.passkey_mix.max_distance,
                                  torch.Generator().manual_seed(run.seed + 4))
             corpus = dataclasses.replace(corpus, train=mixed)
-        for role, name in run.models.items():
+        for role, name in run.trained.items():
             cfg = ModelConfig(**{**params.models[name].model_dump(), "vocab_size": VOCAB})
             self.note(f"training {role} ({name}) for {run.train.steps} steps, then its loss and recall")
             quality = functools.partial(self._quality, run, role, name, corpus.val)
