@@ -151,6 +151,11 @@ def test_memory_by_context_and_the_trained_models_quality(tmp_path):
     assert "weights_mb" not in set(df.metric)  # another study's training keeps no weights
     section, components = render(df, tmp_path)
     assert "| cpu " in section.markdown and "recall @96" in section.markdown
+    # each target's own schedule in its rows (targets train for different numbers of steps)
+    lines = section.markdown.splitlines()
+    head = next(i for i, line in enumerate(lines) if "last train loss" in line)
+    cells = [[c.strip() for c in line.split("|")] for line in (lines[head], lines[head + 2])]
+    assert dict(zip(*cells))["steps"] == "4"
     # G3-C1: every component the guide lists; data and tensor parallelism built, pipeline parallelism not
     verdicts = {v.claim: v.verdict for v in components.verdicts}
     assert verdicts["pipeline parallelism"] == "not measured yet" and len(verdicts) == 11
@@ -226,3 +231,24 @@ def test_quality_is_judged_as_filed_and_only_where_the_task_was_learned():
     raw["G3-T4"]["quality"] = {"recall_floor": 0.5}
     with use_params(validate(raw)):
         assert quality_verdicts(frame(0.6))[0].verdict == "holds"
+
+
+def test_a_recall_gap_is_read_only_where_the_standard_model_reads_the_passkey():
+    """Beyond its training windows the standard model can read at chance: a window or LTM model at chance there is
+    within any gap of it, which says nothing. Such a distance is `not measured yet`, the others judged."""
+    from adaattn_experiments.memory_bank.report import quality_verdicts
+    from adaattn_pipeline.report.common import use_params
+
+    base = {"target": "h200", "hardware": "H200", "status": "ok", "cuda": "13.0", "case_id": "c"}
+    rows = [{**base, "metric": "recall_accuracy", "role": role, "distance": d, "value": v}
+            for role, by in (("standard", {64: 1.0, 4096: 0.03}), ("window", {64: 0.98, 4096: 0.07}),
+                             ("ltm", {64: 0.5, 4096: 0.1}))
+            for d, v in by.items()]
+    rows += [{**base, "metric": "val_loss", "role": role, "context": 512, "value": 1.8} for role in ("standard", "ltm")]
+    with use_params(validate(_raw())):
+        verdicts = {v.claim: v for v in quality_verdicts(pd.DataFrame(rows))}
+    assert verdicts["window recall at distance 64 at most 0.1 below the standard model's"].verdict == "holds"
+    assert verdicts["ltm recall at distance 64 at most 0.1 below the standard model's"].verdict == "worse than claimed"
+    for role in ("window", "ltm"):
+        far = verdicts[f"{role} recall at distance 4096 at most 0.1 below the standard model's"]
+        assert far.verdict == "not measured yet" and "reads 0.03 at this distance" in far.reason
