@@ -20,9 +20,9 @@ PARAMS = Path(__file__).parents[1] / "params.yaml"
 
 def _params(**overrides):
     """params.yaml with ``{"G2-B.cpu.seq_lens": [64], ...}`` applied; the rank study's real inputs
-    (a model run, ``test_minilm.py``) off unless an override sets them."""
+    (a model run, ``test_minilm.py``) and the precision study's 8-bit rows off unless an override sets them."""
     raw = copy.deepcopy(load_raw(PARAMS))
-    overrides = {"G2-C1.cpu.real_layers": [], "G2-C1.cpu.real_seq_lens": [], **overrides}
+    overrides = {"G2-C1.cpu.real_layers": [], "G2-C1.cpu.real_seq_lens": [], "G2-T3.cpu.fp8": None, **overrides}
     for dotted, value in overrides.items():
         node = raw
         *path, last = dotted.split(".")
@@ -315,3 +315,74 @@ def test_rank_goal_reads_side_by_side_times_and_the_solve_floor(tmp_path, monkey
     assert pooled.verdict == "worse than claimed" and "1 not met (1 over the error budget)" in pooled.measured
     goal = section.markdown.split("### Goal")[1]
     assert "pinv products ms (cuBLAS bf16)" in goal and "2x budget ms" in goal
+
+
+FP8_TOY = {"batch": 1, "heads": 2, "head_dim": 64, "seq_lens": [64], "causal": [False, True], "inputs": ["normal"],
+           "providers": ["sdpa_bf16", "sdpa_cudnn_bf16", "fp8", "fp8_pv_bf16", "sage"], "real_seq_len": 128,
+           "real_layers": [0]}
+
+
+def test_the_8_bit_rows_run_ours_beside_sdpa_and_name_what_cannot_run(tmp_path):
+    """The precision study's FP8 rows (issue 68) on the CPU: SDPA in bf16 and ours (interpreted) on the same bf16
+    inputs, N(0, 1) and MiniLM's captured q, k, v, each read against float64; the cuDNN and SageAttention rows
+    say why they cannot run here; the report's table and its goals' verdicts from those rows."""
+    from adaattn_experiments.precision.report import render
+    from adaattn_experiments.precision.study import STUDY
+    from adaattn_pipeline.report.common import use_params
+
+    params, _ = _params(**{"G2-T3.cpu.ops": ["attention"], "G2-T3.cpu.seq_len": 32, "G2-T3.cpu.embed_dim": 64,
+                           "G2-T3.cpu.modes": ["fwd"], "G2-T3.cpu.inputs": ["normal"],
+                           "G2-T3.cpu.precisions": ["fp32"], "G2-T3.cpu.fp8": FP8_TOY})
+    df = _run(STUDY, params)
+    eight = df[df.op == "fp8_attention"]
+    t = eight[eight.metric == "time_ms"]
+    assert set(t.case_id) == {"G2-T3/fp8-normal-full-b1-h2-s64-d64", "G2-T3/fp8-normal-causal-b1-h2-s64-d64",
+                              "G2-T3/fp8-real-l0-s128"}
+    assert set(t[t.status == "unavailable"].provider) == {"sdpa_cudnn_bf16", "sage"}
+    assert (t[~t.provider.isin(["sdpa_cudnn_bf16", "sage"])].status == "ok").all(), t[["provider", "status", "reason"]]
+    err = eight[eight.metric == "rel_l2"].pivot_table(index="case_id", columns="provider", values="value")
+    assert (err["sdpa_bf16"] < 0.01).all()  # bf16 inputs' attention in bf16 against float64 over the same inputs
+    assert (err["fp8_pv_bf16"] < 0.08).all() and (err["fp8"] < 0.08).all()
+    real = eight[(eight.inputs == "real") & (eight.metric == "tflops")]
+    assert set(real.head_dim) == {32} and set(real.heads) == {12}
+    with use_params(params):
+        (section,) = render(df, tmp_path)
+    verdicts = {v.claim: v for v in section.verdicts}
+    real_claims = [c for c in verdicts if c.startswith("fp8 on real inputs (layer 0)")]
+    assert len(real_claims) == 1 and verdicts[real_claims[0]].verdict in ("holds", "worse than claimed")
+    assert verdicts["AdaAttention's guard never accepts FP8 where the measured error exceeds the bound"].verdict == \
+        "not measured yet"
+    assert "| sdpa_cudnn_bf16" in section.markdown or "sdpa_cudnn_bf16 |" in section.markdown
+
+
+def test_the_8_bit_speed_goals_are_read_side_by_side_in_one_case(tmp_path):
+    """The report alone, on rows as a GPU run writes them: FP8 over cuDNN's and SageAttention's TFLOP/s in the same
+    case, judged against ``G2-T3.fp8_goals``; below ``min_seq_len`` no speed verdict; a peer that did not run is
+    no reading."""
+    from adaattn_experiments.precision.report import fp8_section
+
+    def rows(seq_len, tflops):
+        base = {"target": "h200", "hardware": "H200", "op": "fp8_attention", "inputs": "normal", "causal": False,
+                "seq_len": seq_len, "head_dim": 128, "layer": None}
+        out = []
+        for provider, value in tflops.items():
+            if value is None:
+                out.append({**base, "provider": provider, "metric": "time_ms", "value": None,
+                            "status": "unavailable", "reason": "not importable"})
+                continue
+            out += [{**base, "provider": provider, "metric": m, "value": v, "status": "ok", "reason": ""}
+                    for m, v in (("tflops", value), ("cosine", 0.9999), ("rel_l2", 0.01))]
+        return out
+
+    df = pd.DataFrame(rows(8192, {"fp8": 900.0, "sdpa_cudnn_bf16": 600.0, "sage": 700.0})
+                      + rows(2048, {"fp8": 100.0, "sdpa_cudnn_bf16": 600.0, "sage": 700.0})
+                      + rows(16384, {"fp8": 900.0, "sdpa_cudnn_bf16": 600.0, "sage": None}))
+    _, verdicts = fp8_section(df, set())
+    by = {v.claim: v for v in verdicts}
+    cudnn = by["FP8 attention at least 1.3x sdpa_cudnn_bf16's TFLOP/s (S=8192, D=128, full)"]
+    sage = by["FP8 attention at least 1.5x sage's TFLOP/s (S=8192, D=128, full)"]
+    assert (cudnn.measured, cudnn.verdict) == ("1.50x", "holds")  # a lower bound met
+    assert sage.measured == "1.29x" and sage.verdict == "worse than claimed"
+    assert not any("S=2048" in c for c in by)
+    missing = by["FP8 attention at least 1.5x sage's TFLOP/s (S=16384, D=128, full)"]
+    assert missing.verdict == "not measurable here" and "not importable" in missing.reason

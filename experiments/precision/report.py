@@ -10,8 +10,11 @@ import seaborn as sns
 
 from adaattn.attention.backends import Signature
 from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table,
-                                            prose, save_figure)
+                                            prose, rendered_params, save_figure)
+from adaattn_experiments.precision.schema import FP8_PROVIDERS, FP8Goal
 from adaattn_experiments.precision.study import DTYPE_OF
+
+FP8_OP = "fp8_attention"
 
 PRECISIONS = ["fp32", "tf32", "fp16", "bf16"]
 GPU_CLAIM = "a GPU claim (tensor cores); this target is a CPU"
@@ -30,6 +33,8 @@ def block_backends(df: pd.DataFrame) -> dict[tuple[str, str, str], str]:
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     chosen = block_backends(df)
+    fp8 = df[df["op"] == FP8_OP] if "op" in df else df.iloc[:0]
+    df = df.drop(fp8.index)
     runs = df[(df["case_id"] != "machine") & (df["status"] == "ok") & ~df["case_id"].astype(str).str.startswith("manager/")]
     wide = runs.pivot_table(index=[*KEY, "provider"], columns="metric", values="value").reset_index()
     base = wide[wide["provider"] == "fp32"].set_index(KEY)
@@ -67,7 +72,69 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                           else "0.0"} for p in guide["speed_vs_fp32"]])
     md = prose(__file__, "g2_t3", figures="\n".join(parts), guide_table=md_table(gtab),
                shown_table=md_table(shown))
-    return [Section("G2-T3", "Precision Mode Accuracy", md, verdicts)]
+    fp8_md, fp8_verdicts = fp8_section(fp8, cpu_targets(df))
+    return [Section("G2-T3", "Precision Mode Accuracy", md + fp8_md, verdicts + fp8_verdicts)]
+
+
+def fp8_goal() -> FP8Goal:
+    """Issue 68's goals as filed in params.yaml (``G2-T3.fp8_goals``; its defaults outside a render)."""
+    params = rendered_params()
+    return params.g2_t3.fp8_goals if params is not None and params.g2_t3 is not None else FP8Goal()
+
+
+def fp8_section(df: pd.DataFrame, cpus: set[str]) -> tuple[str, list[Verdict]]:
+    """The 8-bit rows: per target and case, each provider's TFLOP/s (status where it did not run) and error
+    against float64; the goals filed in ``G2-T3.fp8_goals``, each read side by side within one case."""
+    if df.empty:
+        return "", []
+    goal, rows, out = fp8_goal(), [], []
+    keys = ["target", "hardware", "inputs", "causal", "seq_len", "head_dim", "layer"]
+    for key, case in df.groupby(keys, dropna=False, sort=True):
+        at = dict(zip(keys, key))
+        value = {(r.provider, r.metric): r.value for r in case.itertuples() if r.status == "ok"}
+        status = {r.provider: f"{r.status}: {r.reason}" for r in case.itertuples() if r.status != "ok"}
+        row = {k: at[k] for k in ("target", "inputs", "causal", "seq_len", "head_dim")}
+        row["layer"] = "-" if pd.isna(at["layer"]) else int(at["layer"])
+        for provider in FP8_PROVIDERS:
+            if (provider, "tflops") in value:
+                row[provider] = (f"{fmt(value[provider, 'tflops'])} TFLOP/s, cos {value[provider, 'cosine']:.5f}, "
+                                 f"rel L2 {value[provider, 'rel_l2']:.4f}")
+            elif provider in status:
+                row[provider] = status[provider].split(":")[0]
+        rows.append(row)
+        where = f"S={at['seq_len']}, D={at['head_dim']}, {'causal' if at['causal'] else 'full'}"
+        on_gpu = at["target"] not in cpus
+        if at["inputs"] == "normal" and at["head_dim"] == 128 and at["seq_len"] >= goal.min_seq_len:
+            for peer, bound in (("sdpa_cudnn_bf16", goal.speedup_vs_cudnn), ("sage", goal.speedup_vs_sage)):
+                ours, theirs = value.get(("fp8", "tflops")), value.get((peer, "tflops"))
+                ratio = ours / theirs if ours and theirs else None
+                out.append(Verdict(
+                    "G2-T3", f"FP8 attention at least {bound:g}x {peer}'s TFLOP/s ({where})", f">= {bound:g}x",
+                    f"{ratio:.2f}x" if ratio else "-", at["hardware"],
+                    judge((ratio, ratio), (bound, None), True) if ratio and on_gpu else "not measurable here",
+                    "forward TFLOP/s side by side in one run, the same bf16 inputs" if ratio and on_gpu else
+                    (GPU_CLAIM if not on_gpu else "; ".join(f"{p}: {status[p]}" for p in ("fp8", peer)
+                                                            if p in status) or "no reading")))
+        if at["inputs"] == "real":
+            for provider in ("fp8", "fp8_pv_bf16"):
+                cos, l2 = value.get((provider, "cosine")), value.get((provider, "rel_l2"))
+                if cos is None:
+                    out.append(Verdict("G2-T3", f"{provider} on real inputs (layer {row['layer']}): cosine >= "
+                                       f"{goal.min_cosine:g}, rel. L2 <= {goal.max_rel_l2:g}", "-", "-", at["hardware"],
+                                       "not measurable here", status.get(provider, "no reading")))
+                    continue
+                both = judge((cos, cos), (goal.min_cosine, None), True) == "holds" and \
+                    judge((l2, l2), (None, goal.max_rel_l2), False) == "holds"
+                out.append(Verdict("G2-T3", f"{provider} on real inputs (layer {row['layer']}): cosine >= "
+                                   f"{goal.min_cosine:g}, rel. L2 <= {goal.max_rel_l2:g}",
+                                   f">= {goal.min_cosine:g}, <= {goal.max_rel_l2:g}", f"{cos:.5f}, {l2:.4f}",
+                                   at["hardware"], "holds" if both else "worse than claimed",
+                                   "against float64 attention over the same bf16 inputs (MiniLM's q, k, v)"))
+    out.append(Verdict("G2-T3", "AdaAttention's guard never accepts FP8 where the measured error exceeds the bound",
+                       "0 false accepts", "-", "any", "not measured yet",
+                       "the accuracy guard is not built yet (issue 68): FP8 is not a choice of the precision policy"))
+    md = prose(__file__, "g2_t3.fp8", fp8_table=md_table(pd.DataFrame(rows))) + "\n"
+    return md, out
 
 
 def _verdicts(t: pd.DataFrame, guide: dict, g2_t2: dict, cpu_targets: set[str]) -> list[Verdict]:

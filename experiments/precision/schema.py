@@ -11,6 +11,31 @@ from adaattn_pipeline.config import Section as _Section
 from adaattn_pipeline.config import check_names as _check_names
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
+FP8_PROVIDERS = ("sdpa_bf16", "sdpa_cudnn_bf16", "fp8", "fp8_pv_bf16", "sage")
+
+
+class FP8Point(_Section):
+    """8-bit attention beside bf16 (issue 68), forward only: ``providers`` side by side in one run on bf16 inputs of
+    (batch, heads, S, head_dim) at each of ``seq_lens``, causal or not, N(0, 1) and outlier-heavy inputs;
+    TFLOP/s and error against float64. ``sdpa_bf16``: SDPA's own choice (what users get), ``sdpa_cudnn_bf16``:
+    its cuDNN backend; ``fp8`` and ``fp8_pv_bf16``: ours (kernels/fp8_attention.py), P·V in FP8 or bf16;
+    ``sage``: SageAttention 1.0.6 (INT8 Q·K). ``real_layers``: the error on the rank study's captured MiniLM
+    q, k, v of these layers at ``real_seq_len`` (data/real_inputs, the real_inputs stage; head dim 32)."""
+
+    batch: PositiveInt
+    heads: PositiveInt
+    head_dim: Literal[64, 128]
+    seq_lens: Annotated[list[PositiveInt], Field(min_length=1)]
+    causal: Annotated[list[bool], Field(min_length=1)]
+    inputs: Annotated[list[Literal["normal", "outliers"]], Field(min_length=1)]
+    providers: Annotated[list[Literal[FP8_PROVIDERS]], Field(min_length=1)]  # type: ignore[valid-type]
+    real_seq_len: PositiveInt = 512
+    real_layers: list[int] = []
+
+    @field_validator("providers")
+    @classmethod
+    def _providers(cls, v: list[str]) -> list[str]:
+        return _check_names(v, FP8_PROVIDERS, "provider(s)")
 
 
 class G2T3Point(_Section):
@@ -26,6 +51,7 @@ class G2T3Point(_Section):
     outlier_std: float = Field(10.0, gt=0)
     precisions: Annotated[list[Precision], Field(min_length=1)]
     modes: Annotated[list[Mode], Field(min_length=1)]
+    fp8: FP8Point | None = None  # the 8-bit rows (None: none)
 
     @field_validator("heads")
     @classmethod
@@ -40,9 +66,24 @@ class G2T3Point(_Section):
         return _check_names(v, ("fp32", "tf32", "fp16", "bf16"), "precision(s)")
 
 
+class FP8Goal(_Section):
+    """Issue 68's goals for the 8-bit rows, filed before their first run and read by the report alone (outside the
+    results' params hash): ``fp8`` at least ``speedup_vs_cudnn`` x SDPA's cuDNN bf16 TFLOP/s and
+    ``speedup_vs_sage`` x SageAttention's at S >= ``min_seq_len`` (head dim 128, causal and not, N(0, 1)
+    inputs); on the real inputs a cosine of at least ``min_cosine`` and a relative L2 error of at most
+    ``max_rel_l2`` against float64."""
+
+    speedup_vs_cudnn: float = Field(1.3, gt=0)
+    speedup_vs_sage: float = Field(1.5, gt=0)
+    min_seq_len: PositiveInt = 4096
+    min_cosine: float = Field(0.999, gt=0, le=1)
+    max_rel_l2: float = Field(0.03, gt=0)
+
+
 class G2T3Section(ByProfile):
     cpu: G2T3Point
     gpu: G2T3Point
+    fp8_goals: FP8Goal = FP8Goal()
 
 
 SECTIONS = {"G2-T3": G2T3Section}

@@ -15,6 +15,11 @@ Inputs: N(0, 1), and with outliers: N(0, 1) + N(0, outlier_std^2) x Bernoulli(ou
 (params.yaml). Every provider starts from the same fp32 draw, cast. Accuracy (MSE, relative L1
 and L2, cosine similarity) is against float64 on the first batch element; fp32's own error is
 the floor the others are read against.
+
+- ``fp8_attention`` (``G2-T3.<profile>.fp8``, issue 68): 8-bit attention beside bf16, forward only, every
+  provider on the same bf16 inputs and read against float64 attention over them: SDPA (its own choice and its
+  cuDNN backend), ours in FP8 (``kernels/fp8_attention.py``; P·V in FP8 or bf16), SageAttention 1.0.6; on
+  N(0, 1) and outlier inputs at each length, causal or not, and on the rank study's captured MiniLM q, k, v.
 """
 
 from __future__ import annotations
@@ -25,14 +30,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from adaattn.attention.ada import AdaAttention
 from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.reference import attention_ref
+from adaattn.kernels.fp8_attention import fp8_attention
+from adaattn.kernels.runtime import interpreter
 from adaattn_pipeline.bench.harness import Case, Workload
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.config import Params, Target
 from adaattn_experiments.common.modules import manager_rows, module_reference
+from adaattn_experiments.rank import minilm
 
 DTYPE_OF = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -85,7 +94,8 @@ class Block(nn.Module):
 class PrecisionStudy(StudyDef):
     name = "precision"
     table_ids = ("G2-T3",)  # and G2-T2's precision line, in the G2-T3 section
-    config_columns = ["op", "inputs", "batch", "seq_len", "embed_dim", "heads", "head_dim", "dtype"]
+    config_columns = ["op", "inputs", "batch", "seq_len", "embed_dim", "heads", "head_dim", "dtype", "causal",
+                      "layer"]
     sections = ("G2-T3",)
 
     def __init__(self, device: str = "cpu"):
@@ -100,6 +110,10 @@ class PrecisionStudy(StudyDef):
     def bind(self, device: str) -> PrecisionStudy:
         return PrecisionStudy(device)
 
+    @property
+    def data_deps(self) -> tuple[str, ...]:
+        return (minilm.CAPTURE.as_posix(),)  # the 8-bit rows' real inputs (the real_inputs stage)
+
     def cases(self, params: Params, target: Target) -> list[Case]:
         sec = getattr(params.g2_t3, target.profile)
         self._section = sec
@@ -108,9 +122,29 @@ class PrecisionStudy(StudyDef):
             for inputs in sec.inputs:
                 cfg = {"op": op, "inputs": inputs, "batch": sec.batch, "seq_len": sec.seq_len,
                        "embed_dim": sec.embed_dim, "heads": sec.heads, "head_dim": sec.embed_dim // sec.heads,
-                       "dtype": "fp32"}  # the inputs' master dtype; each provider casts
+                       "dtype": "fp32", "causal": False, "layer": None}  # the inputs' master dtype; each casts
                 out.append(Case(case_id=f"G2-T3/{op}-{inputs}-b{sec.batch}-s{sec.seq_len}-e{sec.embed_dim}",
                                 table_id="G2-T3", config=cfg, providers=tuple(sec.precisions), modes=tuple(sec.modes)))
+        return out + self._fp8_cases(sec.fp8)
+
+    def _fp8_cases(self, fp8) -> list[Case]:
+        if fp8 is None:
+            return []
+        out = []
+        B, H, D = fp8.batch, fp8.heads, fp8.head_dim
+        for S in fp8.seq_lens:
+            for causal in fp8.causal:
+                for inputs in fp8.inputs:
+                    cfg = {"op": "fp8_attention", "inputs": inputs, "batch": B, "seq_len": S, "embed_dim": H * D,
+                           "heads": H, "head_dim": D, "dtype": "bf16", "causal": causal, "layer": None}
+                    out.append(Case(case_id=f"G2-T3/fp8-{inputs}-{'causal' if causal else 'full'}-b{B}-h{H}-s{S}-d{D}",
+                                    table_id="G2-T3", config=cfg, providers=tuple(fp8.providers), modes=("fwd",)))
+        for layer in fp8.real_layers:
+            cfg = {"op": "fp8_attention", "inputs": "real", "batch": 1, "seq_len": fp8.real_seq_len,
+                   "embed_dim": minilm.HEADS * minilm.HEAD_DIM, "heads": minilm.HEADS, "head_dim": minilm.HEAD_DIM,
+                   "dtype": "bf16", "causal": False, "layer": layer}
+            out.append(Case(case_id=f"G2-T3/fp8-real-l{layer}-s{fp8.real_seq_len}", table_id="G2-T3", config=cfg,
+                            providers=tuple(fp8.providers), modes=("fwd",)))
         return out
 
     def _draw(self, shape: tuple[int, ...], outliers: bool) -> Tensor:
@@ -126,9 +160,14 @@ class PrecisionStudy(StudyDef):
             self._inputs = None
             c = case.config
             outliers = c["inputs"] == "outliers"
-            if c["op"] == "attention":
+            if c["inputs"] == "real":  # MiniLM's q, k, v at a layer, bf16 as the providers take them
+                x: Any = tuple(t.to(self.device, torch.bfloat16) for t in minilm.captured(c["seq_len"])[0][c["layer"]])
+            elif c["op"] == "fp8_attention":
                 shape = (c["batch"], c["heads"], c["seq_len"], c["head_dim"])
-                x: Any = tuple(self._draw(shape, outliers) for _ in range(3))
+                x = tuple(self._draw(shape, outliers).bfloat16() for _ in range(3))
+            elif c["op"] == "attention":
+                shape = (c["batch"], c["heads"], c["seq_len"], c["head_dim"])
+                x = tuple(self._draw(shape, outliers) for _ in range(3))
             else:
                 x = self._draw((c["batch"], c["seq_len"], c["embed_dim"]), outliers)
             self._inputs = (case.case_id, x)
@@ -144,6 +183,8 @@ class PrecisionStudy(StudyDef):
 
     def setup(self, case: Case, provider: str, requires_grad: bool) -> Workload:
         c = case.config
+        if c["op"] == "fp8_attention":
+            return self._fp8_setup(case, provider)
         dtype = DTYPE_OF[provider]
         if c["op"] == "attention":
             q, k, v = (t.to(dtype, copy=True).requires_grad_(requires_grad) for t in self.inputs(case))
@@ -170,12 +211,42 @@ class PrecisionStudy(StudyDef):
             flops = 2 * B * S * E * 4 * E + 4 * B * S * S * E + 2 * B * S * E * 8 * E
         return Workload(fwd=fn, inputs=leaves, flops_fwd=flops, to_reference_layout=lambda o: o[:1])
 
+    def _fp8_setup(self, case: Case, provider: str) -> Workload:
+        """One 8-bit or bf16 attention forward on the case's bf16 inputs (no gradient: forward rows only)."""
+        c = case.config
+        q, k, v = self.inputs(case)
+        causal = c["causal"]
+        if provider == "sdpa_cudnn_bf16":
+            def fn() -> Tensor:
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        elif provider == "sdpa_bf16":
+            def fn() -> Tensor:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        elif provider == "sage":
+            from sageattention import sageattn
+
+            def fn() -> Tensor:
+                return sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
+        else:
+            def fn() -> Tensor:
+                with torch.no_grad():
+                    return fp8_attention(q, k, v, causal, pv_fp8=provider == "fp8")
+        flops = 4 * c["batch"] * c["heads"] * c["seq_len"] ** 2 * c["head_dim"] // (2 if causal else 1)
+        return Workload(fwd=fn, inputs=[q, k, v], flops_fwd=flops, to_reference_layout=lambda o: o[:1])
+
     def reference(self, case: Case) -> Tensor:
-        if case.config["op"] == "attention":
+        c = case.config
+        if c["op"] == "fp8_attention":  # over the bf16 inputs every provider reads: the attention's error alone
+            return attention_ref(*(t[:1] for t in self.inputs(case)), causal=c["causal"])
+        if c["op"] == "attention":
             return attention_ref(*(t[:1] for t in self.inputs(case)))
         return self._block(case).reference(self.inputs(case)[:1])
 
     def unavailable(self, provider: str, device: str) -> str | None:
+        why = fp8_unavailable(provider, device)
+        if why or provider not in DTYPE_OF:
+            return why
         if provider == "tf32" and device != "cuda":
             return "TF32 is a tensor-core mode of NVIDIA GPUs (Ampere and newer); a CPU has none"
         if provider == "tf32" and torch.cuda.get_device_capability() < (8, 0):
@@ -189,6 +260,24 @@ class PrecisionStudy(StudyDef):
         """The block's kernel manager: its ranking per signature (precision, grad mode), fastest first."""
         return manager_rows(self._manager, "G2-T3", "block")
 
+
+def fp8_unavailable(provider: str, device: str) -> str | None:
+    """Why an 8-bit row's provider cannot run on ``device`` (None: it can)."""
+    if provider == "sdpa_cudnn_bf16" and device != "cuda":
+        return "cuDNN attention is NVIDIA's; this device is a CPU"
+    if provider in ("fp8", "fp8_pv_bf16"):
+        if device != "cuda" and not interpreter():
+            return "our FP8 attention is Triton kernels for a CUDA GPU (TRITON_INTERPRET=1 runs them for tests)"
+        if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+            return "FP8 tensor cores need compute capability 8.9 or newer"
+    if provider == "sage":
+        if device != "cuda":
+            return "SageAttention is Triton kernels for a CUDA GPU"
+        try:
+            import sageattention  # noqa: F401
+        except ImportError as err:
+            return f"sageattention is not importable here ({err}); its wheel is carried in .whl"
+    return None
 
 
 STUDY = PrecisionStudy()

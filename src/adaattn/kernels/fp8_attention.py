@@ -212,8 +212,8 @@ def check_fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
     if k.shape[0] != B or k.shape[3] != D or H % G:
         raise ValueError(f"fp8_attention: k (B={k.shape[0]}, G={G}, Skv, D={k.shape[3]}) must match q's B={B} and "
                          f"D={D}, and G must divide H={H}")
-    if D not in (64, 128):
-        raise ValueError(f"fp8_attention: head dim must be 64 or 128; got {D}")
+    if D not in (32, 64, 128):
+        raise ValueError(f"fp8_attention: head dim must be 32, 64 or 128; got {D}")
     if causal and k.shape[2] != S:
         raise ValueError(f"fp8_attention: causal needs as many keys as queries; got {S} queries, {k.shape[2]} keys")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -224,7 +224,7 @@ def check_fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
 def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
                   pv_fp8: bool = True) -> Tensor:
     """Softmax attention with e4m3 inputs (``quantize_qkv``) and fp32 accumulation: q (B, H, S, D), k and v
-    (B, G, Skv, D) (GQA: G divides H), head dim 64 or 128 -> (B, H, S, D) in q's dtype. Forward only (no
+    (B, G, Skv, D) (GQA: G divides H), head dim 32, 64 or 128 -> (B, H, S, D) in q's dtype. Forward only (no
     gradient); where the kernels cannot run (no Triton, another device) it raises rather than run something
     else under this name."""
     check_fp8_attention(q, k, v, causal)
