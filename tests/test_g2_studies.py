@@ -386,3 +386,23 @@ def test_the_8_bit_speed_goals_are_read_side_by_side_in_one_case(tmp_path):
     assert not any("S=2048" in c for c in by)
     missing = by["FP8 attention at least 1.5x sage's TFLOP/s (S=16384, D=128, full)"]
     assert missing.verdict == "not measurable here" and "not importable" in missing.reason
+
+
+def test_the_common_reader_of_real_inputs_reads_what_the_rank_study_writes(tmp_path):
+    """experiments/common/real_inputs.py reads the rank study's capture file (so that no study imports another):
+    the same path, the same tensors as the writer's own reader, one-line errors for what the file lacks."""
+    import torch
+
+    from adaattn_experiments.common import real_inputs
+    from adaattn_experiments.rank import minilm
+
+    assert real_inputs.CAPTURE == minilm.CAPTURE and real_inputs.FORMAT == minilm.FORMAT
+    assert (real_inputs.HEADS, real_inputs.HEAD_DIM) == (minilm.HEADS, minilm.HEAD_DIM)
+    path = Path(__file__).parents[1] / minilm.CAPTURE
+    mine, theirs = real_inputs.captured_qkv(128, 0, path), minilm.captured(128, path)[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    assert mine[0].shape == (1, minilm.HEADS, 128, minilm.HEAD_DIM)
+    with pytest.raises(RuntimeError, match=r"holds windows of \[128, 512\] and layers \[0, 2, 5\], not 256 and 0"):
+        real_inputs.captured_qkv(256, 0, path)
+    with pytest.raises(RuntimeError, match="is missing"):
+        real_inputs.captured_qkv(128, 0, tmp_path / "none.pt")

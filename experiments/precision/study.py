@@ -41,7 +41,7 @@ from adaattn_pipeline.bench.harness import Case, Workload
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.config import Params, Target
 from adaattn_experiments.common.modules import manager_rows, module_reference
-from adaattn_experiments.rank import minilm
+from adaattn_experiments.common import real_inputs
 
 DTYPE_OF = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -112,7 +112,7 @@ class PrecisionStudy(StudyDef):
 
     @property
     def data_deps(self) -> tuple[str, ...]:
-        return (minilm.CAPTURE.as_posix(),)  # the 8-bit rows' real inputs (the real_inputs stage)
+        return (real_inputs.CAPTURE.as_posix(),)  # the 8-bit rows' real inputs (the real_inputs stage)
 
     def cases(self, params: Params, target: Target) -> list[Case]:
         sec = getattr(params.g2_t3, target.profile)
@@ -141,7 +141,8 @@ class PrecisionStudy(StudyDef):
                                     table_id="G2-T3", config=cfg, providers=tuple(fp8.providers), modes=("fwd",)))
         for layer in fp8.real_layers:
             cfg = {"op": "fp8_attention", "inputs": "real", "batch": 1, "seq_len": fp8.real_seq_len,
-                   "embed_dim": minilm.HEADS * minilm.HEAD_DIM, "heads": minilm.HEADS, "head_dim": minilm.HEAD_DIM,
+                   "embed_dim": real_inputs.HEADS * real_inputs.HEAD_DIM, "heads": real_inputs.HEADS,
+                   "head_dim": real_inputs.HEAD_DIM,
                    "dtype": "bf16", "causal": False, "layer": layer}
             out.append(Case(case_id=f"G2-T3/fp8-real-l{layer}-s{fp8.real_seq_len}", table_id="G2-T3", config=cfg,
                             providers=tuple(fp8.providers), modes=("fwd",)))
@@ -161,7 +162,8 @@ class PrecisionStudy(StudyDef):
             c = case.config
             outliers = c["inputs"] == "outliers"
             if c["inputs"] == "real":  # MiniLM's q, k, v at a layer, bf16 as the providers take them
-                x: Any = tuple(t.to(self.device, torch.bfloat16) for t in minilm.captured(c["seq_len"])[0][c["layer"]])
+                x: Any = tuple(t.to(self.device, torch.bfloat16)
+                               for t in real_inputs.captured_qkv(c["seq_len"], c["layer"]))
             elif c["op"] == "fp8_attention":
                 shape = (c["batch"], c["heads"], c["seq_len"], c["head_dim"])
                 x = tuple(self._draw(shape, outliers).bfloat16() for _ in range(3))
