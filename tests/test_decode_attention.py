@@ -28,8 +28,9 @@ def _want(q, k, v, length, window=None):
 
 
 def _kernels_on():
-    if not get_kernel_status()["use_triton_kernels"]:
-        pytest.skip(get_kernel_status()["reason"])
+    """The CPU tests run the kernels interpreted; on a GPU machine the GPU tests below run them."""
+    if not get_kernel_status()["use_triton_kernels"] or not get_kernel_status()["interpreter"]:
+        pytest.skip(get_kernel_status()["reason"] or "a GPU machine: the GPU tests run the kernels")
 
 
 @pytest.mark.parametrize("B, H, G, D, M, lengths, window", [
@@ -104,3 +105,30 @@ def test_a_bf16_cache_gives_bf16_out_within_its_rounding():
     got = decode_attention(q, k, v, length)
     assert got.dtype == torch.bfloat16
     assert (got.double() - _want(q, k, v, length)).abs().max() < 2e-2  # one rounding of the output (8 bits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, H, G, D, M, lengths", [(2, 8, 2, 128, 4096, [1000, 4096]), (1, 32, 8, 64, 8192, [7])])
+def test_on_the_gpu_bf16_matches_float64(B, H, G, D, M, lengths):
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((B, H, D), (B, G, M, D), (B, G, M, D)))
+    length = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    got = decode_attention(q, k, v, length)
+    assert (got.double().cpu() - _want(q.cpu(), k.cpu(), v.cpu(), length.cpu())).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_one_cuda_graph_serves_every_length():
+    """Captured once, replayed as the lengths tensor changes in place: the same as an eager call each time."""
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((1, 8, 64), (1, 2, 2048, 64),
+                                                                           (1, 2, 2048, 64)))
+    length = torch.tensor([1], device="cuda", dtype=torch.int32)
+    decode_attention(q, k, v, length)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, length)
+    for n in (1, 63, 64, 65, 2048):
+        length.fill_(n)
+        graph.replay()
+        assert torch.equal(out, decode_attention(q, k, v, length)), n

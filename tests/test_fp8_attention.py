@@ -12,8 +12,10 @@ import torch
 from adaattn.kernels import get_kernel_status
 from adaattn.kernels.fp8_attention import E4M3_MAX, fp8_attention, fp8_attention_emulated, quantize_qkv
 
-pytestmark = pytest.mark.skipif(not get_kernel_status()["use_triton_kernels"],
-                                reason=get_kernel_status()["reason"] or "kernels off")
+# the CPU tests run the kernels interpreted; on a GPU machine the GPU tests at the end run them
+_STATUS = get_kernel_status()
+_interpreted = pytest.mark.skipif(not (_STATUS["use_triton_kernels"] and _STATUS["interpreter"]),
+                                  reason=_STATUS["reason"] or "a GPU machine: the GPU tests run the kernels")
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -26,6 +28,7 @@ def _exact(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, is_causal=causal)
 
 
+@_interpreted
 def test_quantization_is_e4m3_of_each_block_over_its_amax():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 200, 64), torch.randn(1, 1, 200, 64) + 3, torch.randn(1, 1, 200, 64)
@@ -44,6 +47,7 @@ def test_quantization_is_e4m3_of_each_block_over_its_amax():
     assert (x.v.float().transpose(-1, -2) == v_want).float().mean() > 0.99
 
 
+@_interpreted
 @pytest.mark.parametrize("B, H, G, S, D, causal", [
     (1, 2, 1, 200, 64, False),  # MQA, a partial last block
     (2, 4, 2, 190, 128, True),  # GQA, causal, head dim 128
@@ -62,6 +66,7 @@ def test_the_kernel_computes_its_quantization_exactly_but_for_p(B, H, G, S, D, c
     assert _rel(got, _exact(q, k, v, causal)) < 0.08
 
 
+@_interpreted
 def test_smoothing_k_keeps_a_channel_offset_from_costing_accuracy():
     """Keys with a large common offset (as real activations have): without subtracting K's mean the blocks' scales
     follow the offset and the keys' differences keep few of e4m3's bits."""
@@ -73,6 +78,7 @@ def test_smoothing_k_keeps_a_channel_offset_from_costing_accuracy():
     assert shifted < 1.5 * plain
 
 
+@_interpreted
 def test_strided_inputs_give_the_contiguous_result():
     """q, k, v as projections give them: (B, S, H, D) transposed to (B, H, S, D)."""
     torch.manual_seed(3)
@@ -81,6 +87,7 @@ def test_strided_inputs_give_the_contiguous_result():
     assert torch.equal(fp8_attention(q, k, v), fp8_attention(q.contiguous(), k.contiguous(), v.contiguous()))
 
 
+@_interpreted
 @pytest.mark.parametrize("shapes, causal, message", [
     (((1, 2, 64, 16), (1, 1, 64, 16)), False, "head dim must be 32, 64 or 128"),
     (((1, 3, 64, 64), (1, 2, 64, 64)), False, "G must divide H=3"),
@@ -93,3 +100,16 @@ def test_bad_input_is_named(shapes, causal, message):
         fp8_attention(torch.randn(qs), torch.randn(ks), torch.randn(ks), causal)
     with pytest.raises(RuntimeError, match="forward only"):
         fp8_attention(torch.randn(1, 2, 8, 64, requires_grad=True), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, causal", [(128, False), (128, True), (64, True)])
+@pytest.mark.parametrize("pv_fp8", [True, False])
+def test_on_the_gpu_fp8_tensor_cores_compute_the_same_attention(D, causal, pv_fp8):
+    """On Hopper's FP8 tensor cores: the same quantization in float64 but for P's rounding, as on the CPU."""
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 4, 1000, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    got = fp8_attention(q, k, v, causal, pv_fp8=pv_fp8)
+    want = fp8_attention_emulated(q, k, v, causal, pv_fp8=pv_fp8)
+    assert _rel(got, want) < (0.04 if pv_fp8 else 0.01)
+    assert _rel(got, _exact(q, k, v, causal)) < 0.08
