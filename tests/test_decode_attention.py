@@ -27,12 +27,13 @@ def _want(q, k, v, length, window=None):
     return out
 
 
-def _kernels_on():
-    """The CPU tests run the kernels interpreted; on a GPU machine the GPU tests below run them."""
-    if not get_kernel_status()["use_triton_kernels"] or not get_kernel_status()["interpreter"]:
-        pytest.skip(get_kernel_status()["reason"] or "a GPU machine: the GPU tests run the kernels")
+# the CPU tests run the kernels interpreted; on a GPU machine the GPU tests at the end run them
+_STATUS = get_kernel_status()
+_interpreted = pytest.mark.skipif(not (_STATUS["use_triton_kernels"] and _STATUS["interpreter"]),
+                                  reason=_STATUS["reason"] or "a GPU machine: the GPU tests run the kernels")
 
 
+@_interpreted
 @pytest.mark.parametrize("B, H, G, D, M, lengths, window", [
     (1, 4, 4, 32, 200, [1], None),  # the first token: one position
     (1, 8, 2, 64, 300, [257], None),  # GQA, a length past several loop steps and chunks
@@ -40,7 +41,6 @@ def _kernels_on():
     (2, 6, 3, 32, 256, [200], 70),  # a sliding window that starts inside a loop step
 ])
 def test_decode_attention_matches_float64_over_the_filled_positions(B, H, G, D, M, lengths, window):
-    _kernels_on()
     torch.manual_seed(0)
     q = torch.randn(B, H, D)
     k, v = torch.randn(B, G, M, D), torch.randn(B, G, M, D)
@@ -65,9 +65,9 @@ def test_the_splits_depend_on_the_cache_shape_alone():
     assert num_splits(1, 1, 64, cpu) == 1  # never more chunks than loop steps
 
 
+@_interpreted
 @torch.no_grad()
 def test_a_compiled_call_runs_the_custom_op_in_one_graph():
-    _kernels_on()
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(1)
@@ -97,8 +97,8 @@ def test_bad_input_is_named(args, message):
                          torch.tensor([1.0]))
 
 
+@_interpreted
 def test_a_bf16_cache_gives_bf16_out_within_its_rounding():
-    _kernels_on()
     torch.manual_seed(2)
     q, k, v = (torch.randn(s).bfloat16() for s in ((2, 8, 64), (2, 2, 160, 64), (2, 2, 160, 64)))
     length = torch.tensor([150, 33], dtype=torch.int32)

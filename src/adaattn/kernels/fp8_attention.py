@@ -27,10 +27,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from adaattn.kernels.nystrom import LOG2E
 from adaattn.kernels.runtime import interpreter, use_triton
 
 E4M3_MAX = 448.0
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, pv_fp8: bool = True, block_m: 
 
 
 @triton.jit
-def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, sm_scale,
+def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, sm_scale_log2,
                           S, Skv, H, G, nq, nk,
                           sq_b, sq_h, sq_s, sk_b, sk_g, sk_s, sv_b, sv_g, sv_n, sv_d, so_b, so_h, so_s,
                           CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, EMULATE: tl.constexpr,
@@ -136,7 +136,7 @@ def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, sm
     n0 = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + m[:, None] * sq_s + d[None, :], mask=(m < S)[:, None], other=0.0)
-    qk_scale = tl.load(qs_ptr + bh * nq + mblk) * sm_scale * 1.4426950408889634  # exp2 below
+    qk_scale = tl.load(qs_ptr + bh * nq + mblk) * sm_scale_log2  # log2(e) folded in: exp2 below
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -194,7 +194,7 @@ def fp8_attention_fwd(qkv: FP8QKV, S: int, out_dtype: torch.dtype, causal: bool,
     sv = (v.stride(0), v.stride(1), v.stride(3), v.stride(2)) if pv_fp8 else tuple(v.stride())
     out = torch.empty(B, H, S, D, dtype=out_dtype, device=qkv.q.device)
     _fp8_attention_kernel[(triton.cdiv(S, qkv.block_m), B * H)](
-        qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v, vs, out, scale,
+        qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, v, vs, out, scale * LOG2E,
         S, Skv, H, G, qkv.q_scale.shape[2], qkv.k_scale.shape[2],
         qkv.q.stride(0), qkv.q.stride(1), qkv.q.stride(2), qkv.k.stride(0), qkv.k.stride(1), qkv.k.stride(2), *sv,
         out.stride(0), out.stride(1), out.stride(2),
