@@ -189,9 +189,10 @@ def test_accuracy_budget_escalates():
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"rank_mode": 0}, "rank_mode"), ({"rank_mode": "low"}, "rank_mode"), ({"precision_mode": "fp8"}, "precision_mode"),
+    ({"rank_mode": 0}, "rank_mode"), ({"rank_mode": "low"}, "rank_mode"), ({"precision_mode": "int8"}, "precision_mode"),
     ({"low_rank_method": "pca"}, "low_rank_method 'pca' is not one of: auto, pooled, nystrom"),
     ({"num_kv_heads": 3}, "num_kv_heads"), ({"embed_dim": 50}, "divisible"), ({"dropout": 1.5}, "dropout"),
+    ({"fp8_max_rel_l2": 0}, "fp8_max_rel_l2 must be > 0"),
 ])
 def test_bad_arguments_are_rejected(kw, match):
     args = {"embed_dim": E, "num_heads": H, **kw}

@@ -55,14 +55,36 @@ def test_compiles_whole_forward_and_backward_and_matches_eager(kv_heads, mask):
     torch.testing.assert_close(x_c.grad, ref_x.grad, atol=1e-4, rtol=1e-4)
 
 
-def test_a_new_shape_recompiles_per_signature_without_an_error():
-    """dynamo marks a size dynamic on the second shape; the module specialises it (a signature is per shape)."""
-    ada = AdaAttention(E, H, batch_first=True, rank_mode="full", kernel_manager=AttentionKernelManager())
-    f = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], fullgraph=True, backend="eager")
+def test_changing_lengths_compile_one_graph_a_length_bucket_and_match_eager():
+    """As ``nn.MultiheadAttention``: dynamo makes the length dynamic at its first change; the module's plans are
+    filed per power-of-two bucket (the policies' signatures), so a graph serves a bucket's every length, never
+    one graph a length. Eager references from a copy: a decision filed in the compiled module would retrace."""
+    import copy
+
+    from torch._dynamo.testing import CompileCounter
+
+    lengths = (16, 24, 40, 50, 64, 70, 100, 130, 200, 250)  # buckets 16 (static), 32, 64, 128, 256
+    for tuned in (False, True):
+        torch._dynamo.reset()  # the recompile limit counts per code object: this lambda's, across both
+        ada = AdaAttention(E, H, batch_first=True, kernel_manager=AttentionKernelManager())
+        eager, counter = copy.deepcopy(ada), CompileCounter()
+        f = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], fullgraph=True, backend=counter)
+        with torch.no_grad():
+            if tuned:
+                for S in (16, 32, 64, 128, 256):
+                    ada.tune(torch.randn(2, S, E), grad=False)
+            for S in lengths:
+                x = torch.randn(2, S, E)
+                torch.testing.assert_close(f(x), eager(x, x, x, need_weights=False)[0], atol=1e-5, rtol=1e-5)
+        assert counter.frame_count == 5, (tuned, counter.frame_count)
+        assert not tuned or ada.get_statistics()["untuned"] == []
+    torch._dynamo.reset()
+    mha, counter = torch.nn.MultiheadAttention(E, H, batch_first=True), CompileCounter()
+    f = torch.compile(lambda x: mha(x, x, x, need_weights=False)[0], fullgraph=True, backend=counter)
     with torch.no_grad():
-        for S in (16, 24, 40):
-            x = torch.randn(2, S, E)
-            torch.testing.assert_close(f(x), ada(x, x, x, need_weights=False)[0], atol=1e-5, rtol=1e-5)
+        for S in lengths:
+            f(torch.randn(2, S, E))
+    assert counter.frame_count == 2  # what MHA does: static, then one dynamic graph
 
 
 def test_a_compiled_module_runs_the_tuned_backend_and_the_default_without_one(monkeypatch):

@@ -70,7 +70,7 @@ def test_adaptive_flash_attention_without_flash_runs_sdpa_outside_the_manager():
 
 
 @pytest.mark.parametrize(("fields", "names"), [
-    ({"precision_mode": "fp8"}, "precision_mode 'fp8' is not one of: fp32, bf16, fp16, auto"),
+    ({"precision_mode": "int8"}, "precision_mode 'int8' is not one of: fp32, bf16, fp16, fp8, auto"),
     ({"rank_mode": "low"}, "rank_mode must be 'auto', 'full' or a positive int"),
     ({"rank_mode": 0}, "rank_mode must be 'auto', 'full' or a positive int"),
     ({"dropout": 1.0}, r"dropout must be a number in \[0, 1\)"),

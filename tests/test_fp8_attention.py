@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from adaattn.kernels import get_kernel_status
-from adaattn.kernels.fp8_attention import E4M3_MAX, fp8_attention, fp8_attention_emulated, quantize_qkv
+from adaattn.kernels.fp8_attention import E4M3_MAX, fp8_attention, fp8_attention_emulated, quantize_kv
 
 # the CPU tests run the kernels interpreted; on a GPU machine the GPU tests at the end run them
 _STATUS = get_kernel_status()
@@ -30,19 +30,20 @@ def _exact(q, k, v, causal):
 
 @_interpreted
 def test_quantization_is_e4m3_of_each_block_over_its_amax():
+    """K less its mean, a scale per block of 64 rows; V over its per-channel amax, transposed (Q is quantized
+    inside the attention kernel, checked through the attention below)."""
     torch.manual_seed(0)
-    q, k, v = torch.randn(1, 2, 200, 64), torch.randn(1, 1, 200, 64) + 3, torch.randn(1, 1, 200, 64)
-    x = quantize_qkv(q, k, v, block_m=128, block_n=64)
-    assert x.q.dtype == x.k.dtype == x.v.dtype == torch.float8_e4m3fn and x.v.shape == (1, 1, 64, 200)
+    k, v = torch.randn(1, 1, 200, 64) + 3, torch.randn(1, 1, 200, 64)
+    x = quantize_kv(k, v, block_n=64)
+    assert x.k.dtype == x.v.dtype == torch.float8_e4m3fn and x.v.shape == (1, 1, 64, 200)
     smooth = k - k.mean(dim=2, keepdim=True)
-    for got, scales, src, block in ((x.q, x.q_scale, q, 128), (x.k, x.k_scale, smooth, 64)):
-        for i in range(scales.shape[2]):
-            rows = src[:, :, i * block:(i + 1) * block]
-            want_scale = rows.abs().amax(dim=(2, 3)) / E4M3_MAX
-            assert torch.allclose(scales[:, :, i], want_scale, rtol=1e-6)
-            want = (rows / scales[:, :, i, None, None]).to(torch.float8_e4m3fn).float()
-            same = got[:, :, i * block:(i + 1) * block].float() == want
-            assert same.float().mean() > 0.99  # a tie may round the other way (fp32 division here, fp64 there)
+    for i in range(x.k_scale.shape[2]):
+        rows = smooth[:, :, i * 64:(i + 1) * 64]
+        want_scale = rows.abs().amax(dim=(2, 3)) / E4M3_MAX
+        assert torch.allclose(x.k_scale[:, :, i], want_scale, rtol=1e-6)
+        want = (rows / x.k_scale[:, :, i, None, None]).to(torch.float8_e4m3fn).float()
+        same = x.k[:, :, i * 64:(i + 1) * 64].float() == want
+        assert same.float().mean() > 0.99  # a tie may round the other way (fp32 division here, fp64 there)
     v_want = (v / x.v_scale[:, :, None, :]).to(torch.float8_e4m3fn).float()
     assert (x.v.float().transpose(-1, -2) == v_want).float().mean() > 0.99
 
@@ -113,3 +114,129 @@ def test_on_the_gpu_fp8_tensor_cores_compute_the_same_attention(D, causal, pv_fp
     want = fp8_attention_emulated(q, k, v, causal, pv_fp8=pv_fp8)
     assert _rel(got, want) < (0.04 if pv_fp8 else 0.01)
     assert _rel(got, _exact(q, k, v, causal)) < 0.08
+
+
+# ---------------------------------------------------------------- AdaAttention's FP8 guard (precision_mode "fp8")
+
+def _ada(bound: float = 0.03, **kw):
+    from adaattn.attention.ada import AdaAttention
+    from adaattn.attention.kernel_manager import AttentionKernelManager
+
+    torch.manual_seed(7)
+    return AdaAttention(128, 2, batch_first=True, precision_mode="fp8", rank_mode="full", fp8_max_rel_l2=bound,
+                        kernel_manager=AttentionKernelManager(backends=["math"]), **kw)
+
+
+def _qkv(ada, x):
+    q, k, v = ada._project(x, x, x)
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
+
+
+@_interpreted
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_guard_accepts_fp8_under_its_bound_and_the_module_runs_it(causal):
+    """A bound FP8 meets: the signature's dtype is float8_e4m3fn, its check is in decisions() and get_statistics(),
+    and the output is the FP8 attention's on the projections (bf16 in and out)."""
+    ada, x = _ada(bound=0.2), torch.randn(1, 300, 128)
+    with torch.no_grad():
+        out = ada(x, x, x, need_weights=False, is_causal=causal)[0]
+        (sig, d), = ada.decisions().items()
+        assert d["dtype"] == "float8_e4m3fn" and d["fp8_guard"]["accepted"] and d["fp8_guard"]["reason"] is None
+        assert 0 < d["fp8_guard"]["estimate"] <= 0.2 and ada.get_statistics()["fp8_guard"][sig] == d["fp8_guard"]
+        want = fp8_attention(*_qkv(ada, x), causal).float()
+        want = ada.out_proj(want.transpose(1, 2).reshape(1, 300, 128))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert ada.get_statistics()["precisions"] == {"float8_e4m3fn": 1}
+
+
+@_interpreted
+def test_the_guard_refuses_fp8_over_its_bound_and_names_the_estimate():
+    ada, x = _ada(bound=1e-4), torch.randn(1, 300, 128)
+    with torch.no_grad():
+        ada(x, x, x, need_weights=False)
+    (d,) = ada.decisions().values()
+    assert d["dtype"] == "bfloat16" and not d["fp8_guard"]["accepted"]
+    assert d["fp8_guard"]["reason"].startswith("estimated relative L2") and d["fp8_guard"]["estimate"] > 1e-4
+
+
+@_interpreted
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_estimate_is_the_whole_calls_error_on_the_sampled_blocks(causal):
+    """Each sampled block's rows come out of the estimate's runs as out of the whole call: the estimate is the
+    largest of those blocks' relative L2 errors against float32, computed here from the whole call's output."""
+    from adaattn.attention.precision import PrecisionPolicy
+
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 600, 64).bfloat16() for _ in range(3))  # 5 blocks of 128: blocks 0, 2, 4 sampled
+    policy = PrecisionPolicy("fp8", fp8_sample_blocks=3)
+    est = policy.fp8_estimate(q, k, v, 64 ** -0.5, causal)
+    full = fp8_attention(q, k, v, causal).float()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    errs = [float((full[:, :, r] - ref[:, :, r]).norm() / ref[:, :, r].norm())
+            for r in (slice(0, 128), slice(256, 384), slice(512, 600))]
+    assert est == pytest.approx(max(errs), rel=1e-5)
+
+
+@_interpreted
+@pytest.mark.parametrize("case, reason", [
+    ("grad", "forward only"), ("mask", "takes no mask"), ("head_dim", "head dim 16"), ("dropout", "no dropout"),
+])
+def test_where_fp8_cannot_run_the_module_runs_bf16_and_says_why(case, reason):
+    from adaattn.attention.ada import AdaAttention
+    from adaattn.attention.kernel_manager import AttentionKernelManager
+
+    ada = _ada(dropout=0.1 if case == "dropout" else 0.0) if case != "head_dim" else AdaAttention(
+        32, 2, batch_first=True, precision_mode="fp8", rank_mode="full",
+        kernel_manager=AttentionKernelManager(backends=["math"]))
+    E = ada.embed_dim
+    x = torch.randn(1, 40, E, requires_grad=case == "grad")
+    mask = torch.rand(1, 40) < 0.2 if case == "mask" else None
+    with torch.set_grad_enabled(case == "grad"):
+        ada(x, x, x, need_weights=False, key_padding_mask=mask)
+    (d,) = ada.decisions().values()
+    assert d["dtype"] == "bfloat16" and not d["fp8_guard"]["accepted"] and d["fp8_guard"]["estimate"] is None
+    assert reason in d["fp8_guard"]["reason"]
+
+
+@_interpreted
+def test_a_compiled_module_runs_the_fp8_its_guard_accepted_and_bf16_without_a_decision():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    ada, x = _ada(bound=0.2), torch.randn(1, 300, 128)
+    backend, graphs = CompileCounterWithBackend("eager"), []
+    f = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], backend=backend, fullgraph=True)
+    with torch.no_grad():
+        untuned = f(x)
+        assert any("precision" in u for u in ada.get_statistics()["untuned"])
+        want_bf16 = torch.nn.functional.scaled_dot_product_attention(*_qkv(ada, x)).float()
+        torch.testing.assert_close(untuned, ada.out_proj(want_bf16.transpose(1, 2).reshape(1, 300, 128)))
+        decided = ada.tune(x, grad=False)
+        assert next(iter(decided.values()))["dtype"] == "float8_e4m3fn"
+        out = f(x)
+        torch.testing.assert_close(out, ada(x, x, x, need_weights=False)[0], atol=1e-5, rtol=1e-5)
+    assert backend.frame_count == 2
+    assert "fp8_attention" in str(backend.graphs[-1].code)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_on_the_gpu_the_estimate_is_the_whole_calls_error_and_a_compiled_module_runs_fp8(causal):
+    """On FP8 tensor cores: the guard's sampled blocks are the whole call's rows (its estimate is their largest
+    block error), and AdaAttention compiled by inductor runs the FP8 its guard accepted, as eager does."""
+    from adaattn.attention.precision import PrecisionPolicy
+
+    torch.manual_seed(9)
+    q, k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    est = PrecisionPolicy("fp8").fp8_estimate(q, k, v, 128 ** -0.5, causal)
+    full = fp8_attention(q, k, v, causal).float()
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    errs = [float((full[:, :, r] - ref[:, :, r]).norm() / ref[:, :, r].norm())
+            for r in (slice(0, 128), slice(512, 640), slice(896, 1000))]  # 8 blocks: 0, round(3.5) = 4, 7
+    assert est == pytest.approx(max(errs), rel=1e-4)
+    ada = _ada(bound=1.0, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert next(iter(ada.tune(x, grad=False).values()))["dtype"] == "float8_e4m3fn"
+        eager = ada(x, x, x, need_weights=False, is_causal=False)[0]
+        compiled = torch.compile(lambda x: ada(x, x, x, need_weights=False)[0], fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=2e-2)

@@ -31,6 +31,10 @@ class FP8Point(_Section):
     providers: Annotated[list[Literal[FP8_PROVIDERS]], Field(min_length=1)]  # type: ignore[valid-type]
     real_seq_len: PositiveInt = 512
     real_layers: list[int] = []
+    # AdaAttention's FP8 guard (precision_mode "fp8"): its bound on the estimated relative L2 error; the guard runs
+    # on every case's inputs and its decisions are scored against ``fp8``'s measured error (issue 68's
+    # ``precision.fp8_max_rel_l2``)
+    fp8_max_rel_l2: float = Field(0.03, gt=0)
 
     @field_validator("providers")
     @classmethod

@@ -33,7 +33,9 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from adaattn.attention.ada import AdaAttention
+from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import AttentionKernelManager
+from adaattn.attention.precision import PrecisionPolicy
 from adaattn.attention.reference import attention_ref
 from adaattn.kernels.fp8_attention import fp8_attention
 from adaattn.kernels.runtime import interpreter
@@ -106,6 +108,7 @@ class PrecisionStudy(StudyDef):
         # a block's peak memory is its backend's (``manager_ranking`` rows; the report names it)
         self._manager = AttentionKernelManager()
         self._section = None
+        self._guard: dict[str, tuple[Case, dict]] = {}  # case id -> (case, the FP8 guard's check on its inputs)
 
     def bind(self, device: str) -> PrecisionStudy:
         return PrecisionStudy(device)
@@ -231,11 +234,21 @@ class PrecisionStudy(StudyDef):
             def fn() -> Tensor:
                 return sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
         else:
+            if provider == "fp8" and case.case_id not in self._guard:
+                self._guard[case.case_id] = (case, self._guard_check(case, q, k, v))
+
             def fn() -> Tensor:
                 with torch.no_grad():
                     return fp8_attention(q, k, v, causal, pv_fp8=provider == "fp8")
         flops = 4 * c["batch"] * c["heads"] * c["seq_len"] ** 2 * c["head_dim"] // (2 if causal else 1)
         return Workload(fwd=fn, inputs=[q, k, v], flops_fwd=flops, to_reference_layout=lambda o: o[:1])
+
+    def _guard_check(self, case: Case, q: Tensor, k: Tensor, v: Tensor) -> dict:
+        """AdaAttention's FP8 guard on the case's inputs, as the module runs it (``precision_mode="fp8"``)."""
+        policy = PrecisionPolicy("fp8", fp8_max_rel_l2=self._section.fp8.fp8_max_rel_l2)
+        mask_kind = "causal" if case.config["causal"] else "none"
+        policy.choose(q, k, v, q.shape[-1] ** -0.5, HardwareCapabilities.detect(q.device), case.case_id, mask_kind)
+        return policy.fp8_checks[case.case_id]
 
     def reference(self, case: Case) -> Tensor:
         c = case.config
@@ -259,8 +272,16 @@ class PrecisionStudy(StudyDef):
         return True
 
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
-        """The block's kernel manager: its ranking per signature (precision, grad mode), fastest first."""
-        return manager_rows(self._manager, "G2-T3", "block")
+        """The block's kernel manager: its ranking per signature (precision, grad mode), fastest first; the FP8
+        guard's check on each 8-bit case's inputs (its estimate, whether it accepted FP8, its bound)."""
+        rows = []
+        for case_id, (case, check) in self._guard.items():
+            for metric, value in (("fp8_guard_estimate", check["estimate"]), ("fp8_guard_accepted",
+                                  float(check["accepted"])), ("fp8_guard_bound", check["bound"])):
+                rows.append({**case.config, "table_id": "G2-T3", "case_id": case_id, "provider": "fp8_guard",
+                             "mode": "fwd", "metric": metric, "value": value, "unit": "", "status": "ok",
+                             "reason": check["reason"] or ""})
+        return manager_rows(self._manager, "G2-T3", "block") + rows
 
 
 def fp8_unavailable(provider: str, device: str) -> str | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from operator import index
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,7 @@ from adaattn.attention.backends import BACKENDS, Signature, attention_probs, sdp
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.masks import merge_masks
-from adaattn.attention.precision import PrecisionPolicy, traced_dtype
+from adaattn.attention.precision import FP8, PrecisionPolicy, traced_dtype
 from adaattn.attention.rank import (LOW_RANK_METHODS, LowRank, choose_rank, low_rank_attention, low_rank_speed,
                                     skip_reason)
 from adaattn.attention.flexible import _expand_kv
@@ -51,9 +50,36 @@ def shared_kernel_manager() -> AttentionKernelManager:
     return _shared
 
 
+def bucket(n) -> int:
+    """``n`` rounded up to a power of two, by comparisons: under ``torch.compile`` a dynamic size is guarded to its
+    bucket's range, not to its value (one graph serves every length of a bucket; a plan is per bucket, as the
+    policies' signatures are)."""
+    b = 1
+    while n > b:
+        b *= 2
+    return b
+
+
+def plan_key(q: Tensor, k: Tensor, mask_kind: str, grad: bool) -> tuple:
+    """What a plan is filed under: the signature's fields (lengths bucketed; whether they are equal), eager and
+    compiled alike."""
+    (B, H, L, D), (Hkv, S) = q.shape, k.shape[1:3]
+    square = True if L == S else False  # a branch: a guard and a constant (bool() of a dynamic size's test is not)
+    return q.device, q.dtype, B, H, bucket(L), D, B, Hkv, bucket(S), D, mask_kind, grad, square
+
+
+def _fp8_run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float) -> Tensor:
+    """The exact path where the precision policy chose FP8 (bf16 in and out; never with a mask)."""
+    from adaattn.kernels.fp8_attention import fp8_attention
+
+    return fp8_attention(q, k, v, causal, scale)
+
+
 def _run(backend: str | None):
     """A plan's exact path: None for SDPA's own call (a function in a plan costs a compiled call guards on its code
-    and defaults), else the backend's run."""
+    and defaults), the FP8 attention ("fp8"), else the backend's run."""
+    if backend == "fp8":
+        return _fp8_run
     return None if backend in (None, "sdpa") else BACKENDS[backend].run
 
 
@@ -63,7 +89,8 @@ class AdaAttention(nn.Module):
                  num_kv_heads: int | None = None, enable_gpu_optimization: bool = True,
                  precision_mode: str = "auto", rank_mode: str | int = "auto", low_rank_method: str = "auto",
                  rank_sample_rows: int = 64, min_low_rank_len: int = 1024, max_rank_error: float = 0.05,
-                 kernel_manager: AttentionKernelManager | None = None, device=None, dtype=None):
+                 kernel_manager: AttentionKernelManager | None = None, device=None, dtype=None,
+                 fp8_max_rel_l2: float = 0.03):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         check_heads(embed_dim, num_heads, num_kv_heads)
@@ -90,7 +117,7 @@ class AdaAttention(nn.Module):
         self.in_proj_bias = nn.Parameter(torch.empty(embed_dim + 2 * kv_dim, **factory)) if bias else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.enable_gpu_optimization = enable_gpu_optimization
-        self.precision = PrecisionPolicy(precision_mode)
+        self.precision = PrecisionPolicy(precision_mode, fp8_max_rel_l2=fp8_max_rel_l2)
         self.rank_mode, self.low_rank_method = rank_mode, low_rank_method  # "auto": every path, cheaper first
         self.rank_sample_rows, self.min_low_rank_len, self.max_rank_error = rank_sample_rows, min_low_rank_len, \
             max_rank_error
@@ -206,9 +233,7 @@ class AdaAttention(nn.Module):
         else the defaults (``_default_plan``)."""
         in_dtype, mask_kind = q.dtype, "causal" if causal else "none" if mask is None else "mask"
         if _compiling():
-            # index: a size dynamo made dynamic is specialised here (a plan is per shape)
-            key = (q.device, q.dtype, *[index(n) for n in q.shape], *[index(n) for n in k.shape], mask_kind,
-                   q.requires_grad or k.requires_grad)  # the projections' outputs: False under no_grad
+            key = plan_key(q, k, mask_kind, q.requires_grad or k.requires_grad)  # False under no_grad
             plan = self._plans.get(key)
             if plan is None:
                 name, low, backend = self._default_plan(key)
@@ -225,22 +250,27 @@ class AdaAttention(nn.Module):
                                                      dropout_p=self.dropout if self.dropout and self.training else 0.0,
                                                      enable_gqa=q.shape[1] != k.shape[1])  # sdpa_path, inline
             return out if out.dtype == in_dtype else out.to(in_dtype)
-        key = (q.device, q.dtype, *q.shape, *k.shape, mask_kind, q.requires_grad or k.requires_grad)
+        key = plan_key(q, k, mask_kind, q.requires_grad or k.requires_grad)
         signature = Signature.of(q, k, mask_kind)
         sig = signature.key()
         dtype = q.dtype  # without the optimisation, the inputs'; else the precision policy's (its guards read them)
         if self.enable_gpu_optimization or self.precision.mode != "auto":
             self._untuned.discard(f"{sig}: precision")
-            dtype = self.precision.choose(q, k, v, scale, HardwareCapabilities.detect(q.device), sig)
+            dtype = self.precision.choose(q, k, v, scale, HardwareCapabilities.detect(q.device), sig, mask_kind,
+                                          bool(self.dropout and self.training))
+        chosen, dtype = dtype, torch.bfloat16 if dtype == FP8 else dtype  # FP8: bf16 in and out
         if q.dtype != dtype:
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             signature = Signature.of(q, k, mask_kind)  # the manager's: in the compute dtype
         rank = self._rank(sig, q, k, v, mask_kind, scale)
-        self._precisions[dtype] += 1
+        self._precisions[chosen if rank is None else dtype] += 1
         self._ranks["full" if rank is None else f"low-rank {rank}"] += 1
         run = exact = None
         if rank is not None:
             out = low_rank_attention(q, k, v, rank, scale=scale)
+        elif chosen == FP8:
+            run = _run("fp8")
+            out = run(q, k, v, mask, causal, scale)
         elif self._through_manager():
             exact = signature.key()
             out, name = self.manager(q, k, v, mask, causal, scale, sig=signature)
@@ -248,7 +278,7 @@ class AdaAttention(nn.Module):
             run = _run(traced_name(traced, q, k, mask, causal, scale))
         else:
             out = sdpa_path(q, k, v, mask, causal, scale, self.dropout if self.training else 0.0)
-        self._plans[key], self._decided[sig] = (dtype, rank, run), (dtype, rank, exact)
+        self._plans[key], self._decided[sig] = (dtype, rank, run), (chosen if rank is None else dtype, rank, exact)
         return out if out.dtype == in_dtype else out.to(in_dtype)  # the output projection's dtype
 
     @torch.compiler.assume_constant_result  # made while tracing, a constant of the graph: no guard on the state read
@@ -256,22 +286,26 @@ class AdaAttention(nn.Module):
         """A compiled call's plan for a ``_plans`` key no eager call decided, by name: the last decisions the policies
         made for its signature, else the hardware's defaults; each policy without a decision is listed in
         ``_untuned``."""
-        device, dtype, q_shape, k_shape, mask_kind, grad = key[0], key[1], key[2:6], key[6:10], key[10], key[11]
-        sig = Signature.make(device.type, device.index, dtype, q_shape, k_shape, mask_kind, grad).key()
+        device, dtype, q_shape, k_shape, mask_kind, grad, square = key[0], key[1], key[2:6], key[6:10], *key[10:]
+        sig = Signature.make(device.type, device.index, dtype, q_shape, k_shape, mask_kind, grad, square).key()
         decided = self.precision.decided(sig)
+        if decided == FP8:  # the guard accepted FP8 for this signature
+            _, rank = self._rank_without_data(sig, mask_kind)
+            return "bfloat16", rank and tuple(rank), None if rank else "fp8"
         if decided is not None:
             dtype = decided
         elif self.enable_gpu_optimization or self.precision.mode != "auto":
             dtype = traced_dtype(self.precision.mode, device.type, device.index)
-            if self.precision.mode == "auto" and dtype != torch.float32 and self.enable_gpu_optimization:
-                self._untuned.add(f"{sig}: precision")  # a reduced dtype its guards never checked
+            if (self.precision.mode == "auto" and dtype != torch.float32 and self.enable_gpu_optimization) \
+                    or self.precision.mode == "fp8":
+                self._untuned.add(f"{sig}: precision")  # a reduced dtype its guards never checked (fp8: bf16)
         decided, rank = self._rank_without_data(sig, mask_kind)
         if not decided:
             self._untuned.add(f"{sig}: rank")
         if not self.enable_gpu_optimization:
             return str(dtype).removeprefix("torch."), rank and tuple(rank), None
         backend = self.manager.traced_backend(Signature.make(device.type, device.index, dtype, q_shape, k_shape,
-                                                             mask_kind, grad))
+                                                             mask_kind, grad, square))
         if mask_kind != "mask":  # SDPA's choice, asked on empty inputs in the projections' layout (a mask: no shape)
             q, k = (torch.empty(b, n, h, d, dtype=dtype, device=device).transpose(1, 2)
                     for b, h, n, d in (q_shape, k_shape))
@@ -346,13 +380,16 @@ class AdaAttention(nn.Module):
         return self.decisions()
 
     def decisions(self) -> dict[str, dict]:
-        """Per signature an eager call decided: the compute dtype, the path (exact or low-rank) and, where the
-        manager ranked the exact path, its backends fastest first."""
+        """Per signature an eager call decided: the compute dtype (``float8_e4m3fn``: the FP8 attention), the path
+        (exact or low-rank), where the manager ranked the exact path its backends fastest first, and in precision
+        mode "fp8" the FP8 guard's check (``fp8_guard``: accepted, estimate, bound, reason)."""
         out: dict[str, dict] = {}
         for sig, (dtype, rank, exact) in self._decided.items():
             out[sig] = {"dtype": str(dtype).removeprefix("torch."), "path": "exact" if rank is None else str(rank)}
             if exact is not None and exact in self.manager.rankings:
                 out[sig]["backends"] = self.manager.rankings[exact]
+            if sig in self.precision.fp8_checks:
+                out[sig]["fp8_guard"] = self.precision.fp8_checks[sig]
         return out
 
     def get_statistics(self) -> dict:
@@ -362,7 +399,7 @@ class AdaAttention(nn.Module):
         stats = self.manager.get_statistics()
         stats.update(precisions={str(d).removeprefix("torch."): n for d, n in self._precisions.items()},
                      escalations=list(self.precision.escalations), ranks=dict(self._ranks),
-                     low_rank_skipped=dict(self._low_rank_skipped),
+                     low_rank_skipped=dict(self._low_rank_skipped), fp8_guard=dict(self.precision.fp8_checks),
                      untuned=sorted({*self._untuned, *(f"{s}: backend" for s in stats["untuned"])}))
         return stats
 

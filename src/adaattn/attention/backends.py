@@ -64,12 +64,14 @@ class Signature:
 
     @staticmethod
     def make(device_type: str, index: int | None, dtype: torch.dtype, q_shape: Sequence[int],
-             k_shape: Sequence[int], mask: str, grad: bool) -> Signature:
+             k_shape: Sequence[int], mask: str, grad: bool, square: bool | None = None) -> Signature:
+        """``square``: whether the exact lengths are equal, where the shapes are buckets (a compiled plan's key);
+        None: the shapes' own lengths are compared."""
         if mask not in MASK_KINDS:
             raise ValueError(f"mask kind {mask!r} is not one of: {', '.join(MASK_KINDS)}")
         (B, H, L, D), (Hkv, S) = (int(n) for n in q_shape), (int(k_shape[1]), int(k_shape[2]))
         return Signature(device_type, device_name(device_type, index), str(dtype).removeprefix("torch."), B, H, Hkv, D,
-                         _bucket(L), _bucket(S), mask, grad, L == S)
+                         _bucket(L), _bucket(S), mask, grad, L == S if square is None else bool(square))
 
 
 @torch.compiler.assume_constant_result  # a constant of the compiled graph: read once, never traced

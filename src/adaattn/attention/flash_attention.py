@@ -46,7 +46,7 @@ class FlashAttentionConfig:
     ValueError that names the field and what it allows."""
 
     enable_flash: bool = True  # through the kernel manager (False: PyTorch's SDPA, no measurement)
-    precision_mode: str = "auto"  # fp32, bf16, fp16, or auto (by hardware, escalated where numerics need it)
+    precision_mode: str = "auto"  # fp32, bf16, fp16, fp8 (where its guard allows), or auto (by hardware, escalated)
     rank_mode: str | int = "full"  # full (exact), auto (low-rank where measured faster and accurate), or a rank
     dropout: float = 0.0  # the kernel manager's backends take none: a training call with dropout runs SDPA
     backends: tuple[str, ...] | None = None  # the manager's candidates; None: the hardware's, the shared manager
