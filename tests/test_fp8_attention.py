@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from adaattn.kernels import get_kernel_status
-from adaattn.kernels.fp8_attention import E4M3_MAX, fp8_attention, fp8_attention_emulated, quantize_kv
+from adaattn.kernels.fp8_attention import (E4M3_MAX, fp8_attention, fp8_attention_emulated, launch_config,
+                                           quantize_kv)
 
 # the CPU tests run the kernels interpreted; on a GPU machine the GPU tests at the end run them
 _STATUS = get_kernel_status()
@@ -29,19 +30,23 @@ def _exact(q, k, v, causal):
 
 
 @_interpreted
-def test_quantization_is_e4m3_of_each_block_over_its_amax():
-    """K less its mean, a scale per block of 64 rows; V over its per-channel amax, transposed (Q is quantized
-    inside the attention kernel, checked through the attention below)."""
+@pytest.mark.parametrize("qk_int8", [True, False])
+def test_quantization_is_8_bits_of_each_block_over_its_amax(qk_int8):
+    """K less its mean, a scale per block of 64 rows (int8: amax / 127, to nearest; e4m3: amax / 448); V over its
+    per-channel amax in e4m3, transposed (Q is quantized inside the attention kernel, checked through the
+    attention below)."""
     torch.manual_seed(0)
     k, v = torch.randn(1, 1, 200, 64) + 3, torch.randn(1, 1, 200, 64)
-    x = quantize_kv(k, v, block_n=64)
-    assert x.k.dtype == x.v.dtype == torch.float8_e4m3fn and x.v.shape == (1, 1, 64, 200)
+    x = quantize_kv(k, v, block_n=64, qk_int8=qk_int8)
+    assert x.k.dtype == (torch.int8 if qk_int8 else torch.float8_e4m3fn) and x.v.dtype == torch.float8_e4m3fn
+    assert x.v.shape == (1, 1, 64, 200)
     smooth = k - k.mean(dim=2, keepdim=True)
+    top = 127 if qk_int8 else E4M3_MAX
     for i in range(x.k_scale.shape[2]):
         rows = smooth[:, :, i * 64:(i + 1) * 64]
-        want_scale = rows.abs().amax(dim=(2, 3)) / E4M3_MAX
-        assert torch.allclose(x.k_scale[:, :, i], want_scale, rtol=1e-6)
-        want = (rows / x.k_scale[:, :, i, None, None]).to(torch.float8_e4m3fn).float()
+        assert torch.allclose(x.k_scale[:, :, i], rows.abs().amax(dim=(2, 3)) / top, rtol=1e-6)
+        y = rows / x.k_scale[:, :, i, None, None]
+        want = (torch.sign(y) * torch.floor(y.abs() + 0.5)) if qk_int8 else y.to(torch.float8_e4m3fn).float()
         same = x.k[:, :, i * 64:(i + 1) * 64].float() == want
         assert same.float().mean() > 0.99  # a tie may round the other way (fp32 division here, fp64 there)
     v_want = (v / x.v_scale[:, :, None, :]).to(torch.float8_e4m3fn).float()
@@ -56,14 +61,16 @@ def test_quantization_is_e4m3_of_each_block_over_its_amax():
     (1, 3, 3, 150, 32, False),  # MiniLM's head dim (the precision study's real inputs)
 ])
 @pytest.mark.parametrize("pv_fp8", [True, False])
-def test_the_kernel_computes_its_quantization_exactly_but_for_p(B, H, G, S, D, causal, pv_fp8):
+@pytest.mark.parametrize("qk_int8", [True, False])
+def test_the_kernel_computes_its_quantization_exactly_but_for_p(B, H, G, S, D, causal, pv_fp8, qk_int8):
     """Against float64 attention over the same quantized Q, K (and V): what is left is P's rounding, to bf16
     (2^-8) or to e4m3 (2^-4, with 448 as P's scale), and the order of the sums."""
     torch.manual_seed(1)
     q, k, v = torch.randn(B, H, S, D), torch.randn(B, G, S, D), torch.randn(B, G, S, D)
-    got = fp8_attention(q, k, v, causal, pv_fp8=pv_fp8)
+    got = fp8_attention(q, k, v, causal, pv_fp8=pv_fp8, qk_int8=qk_int8)
     assert got.shape == q.shape and got.dtype == q.dtype
-    assert _rel(got, fp8_attention_emulated(q, k, v, causal, pv_fp8=pv_fp8)) < (0.04 if pv_fp8 else 0.01)
+    want = fp8_attention_emulated(q, k, v, causal, pv_fp8=pv_fp8, qk_int8=qk_int8)
+    assert _rel(got, want) < (0.04 if pv_fp8 else 0.01)
     assert _rel(got, _exact(q, k, v, causal)) < 0.08
 
 
@@ -106,12 +113,13 @@ def test_bad_input_is_named(shapes, causal, message):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D, causal", [(128, False), (128, True), (64, True)])
 @pytest.mark.parametrize("pv_fp8", [True, False])
-def test_on_the_gpu_fp8_tensor_cores_compute_the_same_attention(D, causal, pv_fp8):
-    """On Hopper's FP8 tensor cores: the same quantization in float64 but for P's rounding, as on the CPU."""
+@pytest.mark.parametrize("qk_int8", [True, False])
+def test_on_the_gpu_fp8_tensor_cores_compute_the_same_attention(D, causal, pv_fp8, qk_int8):
+    """On Hopper's 8-bit tensor cores: the same quantization in float64 but for P's rounding, as on the CPU."""
     torch.manual_seed(6)
     q, k, v = (torch.randn(2, 4, 1000, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    got = fp8_attention(q, k, v, causal, pv_fp8=pv_fp8)
-    want = fp8_attention_emulated(q, k, v, causal, pv_fp8=pv_fp8)
+    got = fp8_attention(q, k, v, causal, pv_fp8=pv_fp8, qk_int8=qk_int8)
+    want = fp8_attention_emulated(q, k, v, causal, pv_fp8=pv_fp8, qk_int8=qk_int8)
     assert _rel(got, want) < (0.04 if pv_fp8 else 0.01)
     assert _rel(got, _exact(q, k, v, causal)) < 0.08
 
@@ -167,13 +175,14 @@ def test_the_estimate_is_the_whole_calls_error_on_the_sampled_blocks(causal):
     from adaattn.attention.precision import PrecisionPolicy
 
     torch.manual_seed(8)
-    q, k, v = (torch.randn(1, 2, 600, 64).bfloat16() for _ in range(3))  # 5 blocks of 128: blocks 0, 2, 4 sampled
+    m = launch_config(causal).block_m
+    q, k, v = (torch.randn(1, 2, 4 * m + m // 2, 64).bfloat16() for _ in range(3))  # 5 blocks: 0, 2, 4 sampled
     policy = PrecisionPolicy("fp8", fp8_sample_blocks=3)
     est = policy.fp8_estimate(q, k, v, 64 ** -0.5, causal)
     full = fp8_attention(q, k, v, causal).float()
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     errs = [float((full[:, :, r] - ref[:, :, r]).norm() / ref[:, :, r].norm())
-            for r in (slice(0, 128), slice(256, 384), slice(512, 600))]
+            for r in (slice(0, m), slice(2 * m, 3 * m), slice(4 * m, 5 * m))]
     assert est == pytest.approx(max(errs), rel=1e-5)
 
 
@@ -226,12 +235,13 @@ def test_on_the_gpu_the_estimate_is_the_whole_calls_error_and_a_compiled_module_
     from adaattn.attention.precision import PrecisionPolicy
 
     torch.manual_seed(9)
-    q, k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    m = launch_config(causal).block_m
+    q, k, v = (torch.randn(2, 4, 7 * m + m // 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     est = PrecisionPolicy("fp8").fp8_estimate(q, k, v, 128 ** -0.5, causal)
     full = fp8_attention(q, k, v, causal).float()
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     errs = [float((full[:, :, r] - ref[:, :, r]).norm() / ref[:, :, r].norm())
-            for r in (slice(0, 128), slice(512, 640), slice(896, 1000))]  # 8 blocks: 0, round(3.5) = 4, 7
+            for r in (slice(0, m), slice(4 * m, 5 * m), slice(7 * m, 8 * m))]  # 8 blocks: 0, round(3.5) = 4, 7
     assert est == pytest.approx(max(errs), rel=1e-4)
     ada = _ada(bound=1.0, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2, 1000, 128, device="cuda", dtype=torch.bfloat16)

@@ -318,8 +318,8 @@ def test_rank_goal_reads_side_by_side_times_and_the_solve_floor(tmp_path, monkey
 
 
 FP8_TOY = {"batch": 1, "heads": 2, "head_dim": 64, "seq_lens": [64], "causal": [False, True], "inputs": ["normal"],
-           "providers": ["sdpa_bf16", "sdpa_cudnn_bf16", "fp8", "fp8_pv_bf16", "sage"], "real_seq_len": 128,
-           "real_layers": [0]}
+           "providers": ["sdpa_bf16", "sdpa_cudnn_bf16", "fp8", "fp8_pv_bf16", "fp8_e4m3_qk", "sage"],
+           "real_seq_len": 128, "real_layers": [0]}
 
 
 def test_the_8_bit_rows_run_ours_beside_sdpa_and_name_what_cannot_run(tmp_path):
@@ -342,7 +342,7 @@ def test_the_8_bit_rows_run_ours_beside_sdpa_and_name_what_cannot_run(tmp_path):
     assert (t[~t.provider.isin(["sdpa_cudnn_bf16", "sage"])].status == "ok").all(), t[["provider", "status", "reason"]]
     err = eight[eight.metric == "rel_l2"].pivot_table(index="case_id", columns="provider", values="value")
     assert (err["sdpa_bf16"] < 0.01).all()  # bf16 inputs' attention in bf16 against float64 over the same inputs
-    assert (err["fp8_pv_bf16"] < 0.08).all() and (err["fp8"] < 0.08).all()
+    assert (err["fp8_pv_bf16"] < 0.08).all() and (err["fp8"] < 0.08).all() and (err["fp8_e4m3_qk"] < 0.08).all()
     real = eight[(eight.inputs == "real") & (eight.metric == "tflops")]
     assert set(real.head_dim) == {32} and set(real.heads) == {12}
     with use_params(params):

@@ -120,7 +120,7 @@ def fp8_section(df: pd.DataFrame, cpus: set[str]) -> tuple[str, list[Verdict]]:
                     (GPU_CLAIM if not on_gpu else "; ".join(f"{p}: {status[p]}" for p in ("fp8", peer)
                                                             if p in status) or "no reading")))
         if at["inputs"] == "real":
-            for provider in ("fp8", "fp8_pv_bf16"):
+            for provider in ("fp8", "fp8_pv_bf16", "fp8_e4m3_qk"):
                 cos, l2 = value.get((provider, "cosine")), value.get((provider, "rel_l2"))
                 if cos is None:
                     out.append(Verdict("G2-T3", f"{provider} on real inputs (layer {row['layer']}): cosine >= "

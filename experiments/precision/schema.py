@@ -11,14 +11,15 @@ from adaattn_pipeline.config import Section as _Section
 from adaattn_pipeline.config import check_names as _check_names
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
-FP8_PROVIDERS = ("sdpa_bf16", "sdpa_cudnn_bf16", "fp8", "fp8_pv_bf16", "sage")
+FP8_PROVIDERS = ("sdpa_bf16", "sdpa_cudnn_bf16", "fp8", "fp8_pv_bf16", "fp8_e4m3_qk", "sage")
 
 
 class FP8Point(_Section):
     """8-bit attention beside bf16 (issue 68), forward only: ``providers`` side by side in one run on bf16 inputs of
     (batch, heads, S, head_dim) at each of ``seq_lens``, causal or not, N(0, 1) and outlier-heavy inputs;
     TFLOP/s and error against float64. ``sdpa_bf16``: SDPA's own choice (what users get), ``sdpa_cudnn_bf16``:
-    its cuDNN backend; ``fp8`` and ``fp8_pv_bf16``: ours (kernels/fp8_attention.py), P·V in FP8 or bf16;
+    its cuDNN backend; ``fp8``: ours as AdaAttention runs it (kernels/fp8_attention.py: int8 Q·K, FP8 P·V),
+    ``fp8_pv_bf16``: with P·V in bf16, ``fp8_e4m3_qk``: with Q·K in e4m3;
     ``sage``: SageAttention 1.0.6 (INT8 Q·K). ``real_layers``: the error on the rank study's captured MiniLM
     q, k, v of these layers at ``real_seq_len`` (data/real_inputs, the real_inputs stage; head dim 32)."""
 

@@ -18,8 +18,9 @@ the floor the others are read against.
 
 - ``fp8_attention`` (``G2-T3.<profile>.fp8``, issue 68): 8-bit attention beside bf16, forward only, every
   provider on the same bf16 inputs and read against float64 attention over them: SDPA (its own choice and its
-  cuDNN backend), ours in FP8 (``kernels/fp8_attention.py``; P·V in FP8 or bf16), SageAttention 1.0.6; on
-  N(0, 1) and outlier inputs at each length, causal or not, and on the rank study's captured MiniLM q, k, v.
+  cuDNN backend), ours (``kernels/fp8_attention.py``: int8 Q·K and FP8 P·V as AdaAttention runs it; P·V in bf16;
+  Q·K in e4m3), SageAttention 1.0.6; on N(0, 1) and outlier inputs at each length, causal or not, and on the rank
+  study's captured MiniLM q, k, v; AdaAttention's FP8 guard on each case's inputs.
 """
 
 from __future__ import annotations
@@ -237,9 +238,11 @@ class PrecisionStudy(StudyDef):
             if provider == "fp8" and case.case_id not in self._guard:
                 self._guard[case.case_id] = (case, self._guard_check(case, q, k, v))
 
+            pv_fp8, qk_int8 = provider != "fp8_pv_bf16", provider != "fp8_e4m3_qk"
+
             def fn() -> Tensor:
                 with torch.no_grad():
-                    return fp8_attention(q, k, v, causal, pv_fp8=provider == "fp8")
+                    return fp8_attention(q, k, v, causal, pv_fp8=pv_fp8, qk_int8=qk_int8)
         flops = 4 * c["batch"] * c["heads"] * c["seq_len"] ** 2 * c["head_dim"] // (2 if causal else 1)
         return Workload(fwd=fn, inputs=[q, k, v], flops_fwd=flops, to_reference_layout=lambda o: o[:1])
 
@@ -288,7 +291,7 @@ def fp8_unavailable(provider: str, device: str) -> str | None:
     """Why an 8-bit row's provider cannot run on ``device`` (None: it can)."""
     if provider == "sdpa_cudnn_bf16" and device != "cuda":
         return "cuDNN attention is NVIDIA's; this device is a CPU"
-    if provider in ("fp8", "fp8_pv_bf16"):
+    if provider in ("fp8", "fp8_pv_bf16", "fp8_e4m3_qk"):
         if device != "cuda" and not interpreter():
             return "our FP8 attention is Triton kernels for a CUDA GPU (TRITON_INTERPRET=1 runs them for tests)"
         if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):

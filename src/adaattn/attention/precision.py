@@ -127,16 +127,18 @@ class PrecisionPolicy:
     def fp8_estimate(self, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> float:
         """The FP8 attention's relative L2 error against float32 on ``fp8_sample_blocks`` whole query blocks
         (evenly spaced), the largest block's: each block's rows are the very values the whole call gives."""
-        from adaattn.kernels.fp8_attention import BLOCK_M, fp8_attention_fwd, quantize_kv
+        from adaattn.kernels.fp8_attention import fp8_attention_fwd, launch_config, quantize_kv
 
         with torch.no_grad():
             q, k, v = (t.detach().to(torch.bfloat16) for t in (q, k, v))
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
             L, S = q.shape[2], k.shape[2]
+            cfg = launch_config(causal)
+            BLOCK_M = cfg.block_m
             n_blocks = -(-L // BLOCK_M)
             picks = sorted({round(i * (n_blocks - 1) / max(1, self.fp8_sample_blocks - 1))
                             for i in range(min(self.fp8_sample_blocks, n_blocks))})
-            kv = quantize_kv(k, v)
+            kv = quantize_kv(k, v, block_n=cfg.block_n)
             g = q.shape[1] // k.shape[1]
             kf, vf = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
             worst = 0.0

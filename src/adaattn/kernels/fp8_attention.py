@@ -1,27 +1,32 @@
-"""An FP8 (e4m3) attention forward: Q and K quantized a block of rows at a time (K first smoothed by its mean over
-the sequence), Q·Kᵀ on FP8 tensor cores accumulated in fp32, the online softmax in fp32, P·V in FP8 (V
-quantized per channel, P scaled to e4m3's range) or in bf16.
+"""An 8-bit attention forward: Q·Kᵀ in int8 (or e4m3) with int32 (fp32) sums, the online softmax in fp32, P·V in
+FP8 e4m3 (V quantized per channel, P scaled to e4m3's range) or in bf16, Q and K quantized a block of rows at a
+time, K first smoothed by its mean.
 
+- Why int8 for Q·K by default (docs/notebook.md, 2026-11-28, eighteenth session): e4m3's 3 mantissa bits put a
+  relative L2 error of 0.035-0.046 on the output for MiniLM's real q, k, v at head dim 32 (0.05 on N(0, 1) at
+  128), over the 0.03 filed as the goal; int8 with a scale per block (7 bits) cuts the Q·K part about 3x at a
+  5-10% cost in speed on an H200 (the int32 sums converted to fp32). ``qk_int8=False`` keeps e4m3 (the precision
+  study measures both). SageAttention 2 makes the same split: int8 Q·K, FP8 P·V.
 - Smoothing K: q·(k - mean) = q·k - q·mean, and q·mean is the same for every key of a query, so the softmax is
   unchanged (any one vector would do: the mean of a strided sample of rows serves); what it removes is the
-  channels' common offset, which would otherwise set the blocks' scales and leave the keys' differences a few of
-  e4m3's 3 mantissa bits (SageAttention's observation).
-- Scales: one per block of ``BLOCK_M`` query rows and one per block of ``BLOCK_N`` key rows (amax / 448), folded
-  into the fp32 scores with the softmax scale (one multiply-add with the running maximum); V's per-channel scale
+  channels' common offset, which would otherwise set the blocks' scales and leave the keys' differences few of
+  the 8 bits (SageAttention's observation).
+- Scales: one per block of query rows and one per block of key rows (amax / 127, or / 448 in e4m3), folded into
+  the fp32 scores with the softmax scale (one multiply-add with the running maximum); V's per-channel scale
   applied once to the output.
 - P·V in FP8: P in [0, 448] (its row's running maximum less log2(448) subtracted in exp2's argument), the 448
   divided out at the end with the row sum; V transposed in the quantization pass, the layout Hopper's FP8 MMA
   takes its second operand in.
-- Passes: V's per-channel amax (one reduction; K's offset is a sample's mean), one kernel writing K and V in
-  e4m3 (``quantize_kv``); Q is quantized inside the attention kernel, a block at a time as it is loaded: it is
+- Passes: V's per-channel amax (one reduction; K's offset is a sample's mean), one kernel writing K and V in 8
+  bits (``quantize_kv``); Q is quantized inside the attention kernel, a block at a time as it is loaded: it is
   read once.
 - Loop: the key blocks wholly below the diagonal (causal) or wholly inside the sequence run without a mask; only
   the diagonal block and a ragged tail are masked. Causal programs start with the longest rows (load balance).
 
-On the CPU interpreter (whose tl.dot gets FP8 and bf16 operands wrong) the products run on the FP8 values cast to
-fp32, so a test there checks the quantization and the algorithm, not the tensor cores.
+On the CPU interpreter (whose tl.dot gets FP8 and bf16 operands wrong) the products run on the 8-bit values cast
+to fp32, so a test there checks the quantization and the algorithm, not the tensor cores.
 
-AdaAttention chooses it only where its accuracy guard allows (``attention/fp8_guard.py``).
+AdaAttention runs it (``precision_mode="fp8"``) only where its accuracy guard allows (``attention/precision.py``).
 """
 
 from __future__ import annotations
@@ -38,14 +43,27 @@ from adaattn.kernels.runtime import interpreter, use_triton
 
 E4M3_MAX = 448.0
 KEY_SAMPLE = 1024  # rows of K its smoothing offset is the mean of
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 128, 8, 3  # the fastest of a sweep on an H200 (docs/notebook.md)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # query rows a program (and a Q scale)
+    block_n: int  # key rows a loop step (and a K scale)
+    num_warps: int
+    num_stages: int
+
+
+def launch_config(causal: bool) -> LaunchConfig:
+    """The blocks and warps a call runs with: the fastest of a sweep on an H200 (docs/notebook.md, 2026-11-28,
+    eighteenth session): 64 x 64 on 4 warps without a mask, 128 x 128 on 8 causal (fewer diagonal blocks)."""
+    return LaunchConfig(128, 128, 8, 3) if causal else LaunchConfig(64, 64, 4, 3)
 
 
 @dataclass(frozen=True)
 class FP8KV:
     """K in e4m3 with a scale per block of rows; for P·V in FP8 V transposed in e4m3 with a scale per channel."""
 
-    k: Tensor  # (B, G, Skv, D) e4m3, K minus its offset (``key_offset``)
+    k: Tensor  # (B, G, Skv, D) e4m3 (int8: Q·K in int8), K minus its offset (``key_offset``)
     k_scale: Tensor  # (B, G, cdiv(Skv, block_n)) fp32
     v: Tensor  # P·V in FP8: V transposed, (B, G, D, Skv) e4m3; else V itself (B, G, Skv, D)
     v_scale: Tensor | None  # P·V in FP8: (B, G, D) fp32
@@ -64,16 +82,24 @@ def _to_e4m3(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _quant_block(x, EMULATE: tl.constexpr):
-    """A block in e4m3 over its amax / 448, and that scale."""
-    scale = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-30) / 448.0
-    return _to_e4m3(x / scale, EMULATE), scale
+def _quant_block(x, EMULATE: tl.constexpr, INT8: tl.constexpr = False):
+    """A block in e4m3 over its amax / 448 (``INT8``: in int8 over its amax / 127, rounded to nearest), and that
+    scale."""
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 1e-30)
+    if INT8:
+        scale = amax / 127.0
+        y = x / scale
+        out = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int8)  # the conversion truncates: half away from 0
+    else:
+        scale = amax / 448.0
+        out = _to_e4m3(x / scale, EMULATE)
+    return out, scale  # one return: Triton takes no two of different types
 
 
 @triton.jit
 def _quant_kv_kernel(k_ptr, v_ptr, kmean_ptr, vscale_ptr, k8_ptr, ks_ptr, v8t_ptr, Skv, G, nk,
-                     sk_b, sk_g, sk_s, sv_b, sv_g, sv_s,
-                     PV_FP8: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, EMULATE: tl.constexpr):
+                     sk_b, sk_g, sk_s, sv_b, sv_g, sv_s, PV_FP8: tl.constexpr, QK_INT8: tl.constexpr,
+                     BLOCK: tl.constexpr, D: tl.constexpr, EMULATE: tl.constexpr):
     """One block of key rows of one (batch, kv head): (k - mean) over the block's amax / 448 in e4m3, and (P·V in
     FP8) the same rows of V over V's per-channel scale, written transposed, (B, G, D, Skv)."""
     blk, bg = tl.program_id(0), tl.program_id(1)
@@ -83,7 +109,7 @@ def _quant_kv_kernel(k_ptr, v_ptr, kmean_ptr, vscale_ptr, k8_ptr, ks_ptr, v8t_pt
     rmask = (rows < Skv)[:, None]
     k = tl.load(k_ptr + b * sk_b + g * sk_g + rows[:, None] * sk_s + d[None, :], mask=rmask, other=0.0)
     k = tl.where(rmask, k.to(tl.float32) - tl.load(kmean_ptr + bg * D + d)[None, :], 0.0)
-    k8, scale = _quant_block(k, EMULATE)
+    k8, scale = _quant_block(k, EMULATE, QK_INT8)
     tl.store(k8_ptr + (bg * Skv + rows[:, None]) * D + d[None, :], k8, mask=rmask)
     tl.store(ks_ptr + bg * nk + blk, scale)
     if PV_FP8:
@@ -101,13 +127,13 @@ def key_offset(k: Tensor) -> Tensor:
     return torch.mean(k[:, :, ::step], dim=2, dtype=torch.float32).contiguous()
 
 
-def quantize_kv(k: Tensor, v: Tensor, pv_fp8: bool = True, block_n: int = BLOCK_N) -> FP8KV:
-    """The FP8 copies the attention reads: k and v (B, G, Skv, D), any strides with the last dim contiguous; V kept
-    as it is where P·V runs in bf16 (``pv_fp8`` False)."""
+def quantize_kv(k: Tensor, v: Tensor, pv_fp8: bool = True, block_n: int = 64, qk_int8: bool = True) -> FP8KV:
+    """The 8-bit copies the attention reads: k and v (B, G, Skv, D), any strides with the last dim contiguous; V
+    kept as it is where P·V runs in bf16 (``pv_fp8`` False); K in int8 with ``qk_int8``."""
     B, G, Skv, D = k.shape
     dev = k.device
     k_mean = key_offset(k)
-    k8 = torch.empty(B, G, Skv, D, dtype=torch.float8_e4m3fn, device=dev)
+    k8 = torch.empty(B, G, Skv, D, dtype=torch.int8 if qk_int8 else torch.float8_e4m3fn, device=dev)
     nk = triton.cdiv(Skv, block_n)
     k_scale = torch.empty(B, G, nk, dtype=torch.float32, device=dev)
     if pv_fp8:
@@ -118,7 +144,7 @@ def quantize_kv(k: Tensor, v: Tensor, pv_fp8: bool = True, block_n: int = BLOCK_
         v_scale, v8t = k_mean, k8  # not read
     _quant_kv_kernel[(nk, B * G)](k, v, k_mean, v_scale, k8, k_scale, v8t, Skv, G, nk,
                                   k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                                  PV_FP8=pv_fp8, BLOCK=block_n, D=D, EMULATE=interpreter())
+                                  PV_FP8=pv_fp8, QK_INT8=qk_int8, BLOCK=block_n, D=D, EMULATE=interpreter())
     if not pv_fp8:
         return FP8KV(k8, k_scale, v, None, block_n)
     return FP8KV(k8, k_scale, v8t, v_scale, block_n)
@@ -126,8 +152,8 @@ def quantize_kv(k: Tensor, v: Tensor, pv_fp8: bool = True, block_n: int = BLOCK_
 
 @triton.jit
 def _steps(acc, l_i, m_i, q8, qk_scale, k_base, ks_base, v_base, m, lo, hi, Skv, sk_s, sv_n, sv_d,
-           MASK: tl.constexpr, CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, EMULATE: tl.constexpr,
-           BLOCK_N: tl.constexpr, D: tl.constexpr):
+           MASK: tl.constexpr, CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, QK_INT8: tl.constexpr,
+           EMULATE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     """The online softmax over key blocks ``lo ... hi``; ``MASK``: the diagonal block or the ragged tail. With P·V
     in FP8, P comes out of exp2 already scaled to e4m3's range (log2(448) subtracted from the running maximum),
     the row sums in the same scale: no multiply an element."""
@@ -140,8 +166,10 @@ def _steps(acc, l_i, m_i, q8, qk_scale, k_base, ks_base, v_base, m, lo, hi, Skv,
             k = tl.load(k_base + n[:, None] * sk_s + d[None, :], mask=(n < Skv)[:, None], other=0.0)
         else:
             k = tl.load(k_base + n[:, None] * sk_s + d[None, :])
-        if EMULATE:
+        if EMULATE:  # int8 products and their sums are exact in fp32 here (|sum| < 2^24)
             s = tl.dot(q8.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif QK_INT8:
+            s = tl.dot(q8, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
         else:
             s = tl.dot(q8, tl.trans(k))
         c = qk_scale * tl.load(ks_base + start // BLOCK_N)  # > 0: max(s) * c is max(s * c)
@@ -185,7 +213,7 @@ def _steps(acc, l_i, m_i, q8, qk_scale, k_base, ks_base, v_base, m, lo, hi, Skv,
 @triton.jit
 def _fp8_attention_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, sm_scale_log2, S, Skv, H, G, nq, nk, q_off,
                           sq_b, sq_h, sq_s, sk_b, sk_g, sk_s, sv_b, sv_g, sv_n, sv_d, so_b, so_h, so_s,
-                          CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, EMULATE: tl.constexpr,
+                          CAUSAL: tl.constexpr, PV_FP8: tl.constexpr, QK_INT8: tl.constexpr, EMULATE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     mblk, bh = tl.program_id(0), tl.program_id(1)
     if CAUSAL:
@@ -196,7 +224,7 @@ def _fp8_attention_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, sm_scale_l
     m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)  # q's rows; their positions among the keys: q_off + m
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + m[:, None] * sq_s + d[None, :], mask=(m < S)[:, None], other=0.0)
-    q8, q_scale = _quant_block(q.to(tl.float32), EMULATE)
+    q8, q_scale = _quant_block(q.to(tl.float32), EMULATE, QK_INT8)
     qk_scale = q_scale * sm_scale_log2  # log2(e) folded in: exp2 below
     k_base = k_ptr + b * sk_b + g * sk_g
     v_base = v_ptr + b * sv_b + g * sv_g
@@ -212,9 +240,9 @@ def _fp8_attention_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, sm_scale_l
         hi = Skv
     pos = q_off + m
     acc, l_i, m_i = _steps(acc, l_i, m_i, q8, qk_scale, k_base, ks_base, v_base, pos, 0, split, Skv, sk_s, sv_n,
-                           sv_d, False, CAUSAL, PV_FP8, EMULATE, BLOCK_N, D)
+                           sv_d, False, CAUSAL, PV_FP8, QK_INT8, EMULATE, BLOCK_N, D)
     acc, l_i, m_i = _steps(acc, l_i, m_i, q8, qk_scale, k_base, ks_base, v_base, pos, split, hi, Skv, sk_s, sv_n,
-                           sv_d, True, CAUSAL, PV_FP8, EMULATE, BLOCK_N, D)
+                           sv_d, True, CAUSAL, PV_FP8, QK_INT8, EMULATE, BLOCK_N, D)
     if PV_FP8:  # acc and l_i both carry P's 448
         out = acc / l_i[:, None] * tl.load(vs_ptr + bg * D + d)[None, :]
     else:
@@ -223,14 +251,16 @@ def _fp8_attention_kernel(q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr, sm_scale_l
              mask=(m < S)[:, None])
 
 
-def fp8_attention_fwd(q: Tensor, kv: FP8KV, causal: bool, scale: float, q_offset: int = 0, block_m: int = BLOCK_M,
-                      num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> Tensor:
+def fp8_attention_fwd(q: Tensor, kv: FP8KV, causal: bool, scale: float, q_offset: int = 0, block_m: int | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None) -> Tensor:
     """The attention of q (B, H, S, D) (last dim contiguous; quantized here, ``block_m`` rows a scale) over
     ``quantize_kv``'s copies: (B, H, S, D) in q's dtype. ``q_offset``: the position of q's first row among the keys
     (causal; a multiple of ``block_m``): rows ``q_offset ...`` of a longer q give the very values the whole call
     gives them (the accuracy guard's sample)."""
     B, H, S, D = q.shape
     G, Skv = kv.k.shape[1], kv.k.shape[2]
+    cfg = launch_config(causal)
+    block_m, num_warps, num_stages = block_m or cfg.block_m, num_warps or cfg.num_warps, num_stages or cfg.num_stages
     if block_m % kv.block_n or q_offset % block_m:
         raise ValueError(f"fp8_attention: block_m ({block_m}) must be a multiple of block_n ({kv.block_n}), and "
                          f"q_offset ({q_offset}) of block_m")
@@ -245,22 +275,26 @@ def fp8_attention_fwd(q: Tensor, kv: FP8KV, causal: bool, scale: float, q_offset
         q, kv.k, kv.k_scale, v, vs, out, scale * LOG2E, S, Skv, H, G, nq, kv.k_scale.shape[2], q_offset,
         q.stride(0), q.stride(1), q.stride(2), kv.k.stride(0), kv.k.stride(1), kv.k.stride(2), *sv,
         out.stride(0), out.stride(1), out.stride(2),
-        CAUSAL=causal, PV_FP8=pv_fp8, EMULATE=interpreter(), BLOCK_M=block_m, BLOCK_N=kv.block_n, D=D,
+        CAUSAL=causal, PV_FP8=pv_fp8, QK_INT8=kv.k.dtype == torch.int8, EMULATE=interpreter(), BLOCK_M=block_m,
+        BLOCK_N=kv.block_n, D=D,
         num_warps=num_warps, num_stages=num_stages)
     return out
 
 
-def _fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, pv_fp8: bool) -> Tensor:
-    return fp8_attention_fwd(q, quantize_kv(k, v, pv_fp8), causal, scale)
+def _fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, pv_fp8: bool,
+                   qk_int8: bool) -> Tensor:
+    kv = quantize_kv(k, v, pv_fp8, launch_config(causal).block_n, qk_int8)
+    return fp8_attention_fwd(q, kv, causal, scale)
 
 
 @torch.library.custom_op("adaattn::fp8_attention", mutates_args=())
-def fp8_attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, pv_fp8: bool) -> Tensor:
-    return _fp8_attention(q, k, v, causal, scale, pv_fp8)
+def fp8_attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, pv_fp8: bool,
+                     qk_int8: bool) -> Tensor:
+    return _fp8_attention(q, k, v, causal, scale, pv_fp8, qk_int8)
 
 
 @fp8_attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, pv_fp8: bool) -> Tensor:
+def _(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, pv_fp8: bool, qk_int8: bool) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -283,9 +317,10 @@ def check_fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
 
 
 def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-                  pv_fp8: bool = True) -> Tensor:
+                  pv_fp8: bool = True, qk_int8: bool = True) -> Tensor:
     """Softmax attention with e4m3 inputs and fp32 accumulation: q (B, H, S, D), k and v (B, G, Skv, D) (GQA: G
-    divides H), head dim 32, 64 or 128 -> (B, H, S, D) in q's dtype. Forward only (no gradient); a custom op under
+    divides H), head dim 32, 64 or 128 -> (B, H, S, D) in q's dtype; ``qk_int8``: Q·K in int8 instead (int32
+    sums), P·V as ``pv_fp8`` says. Forward only (no gradient); a custom op under
     ``torch.compile``. Where the kernels cannot run (no Triton, another device) it raises rather than run
     something else under this name."""
     check_fp8_attention(q, k, v, causal)
@@ -297,12 +332,13 @@ def fp8_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: 
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if torch.compiler.is_compiling():
-        return fp8_attention_op(q, k, v, causal, scale, pv_fp8)
-    return _fp8_attention(q, k, v, causal, scale, pv_fp8)
+        return fp8_attention_op(q, k, v, causal, scale, pv_fp8, qk_int8)
+    return _fp8_attention(q, k, v, causal, scale, pv_fp8, qk_int8)
 
 
 def fp8_attention_emulated(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, scale: float | None = None,
-                           pv_fp8: bool = True, block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> Tensor:
+                           pv_fp8: bool = True, block_m: int | None = None, block_n: int | None = None,
+                           qk_int8: bool = True) -> Tensor:
     """The same quantization in PyTorch and float64 attention over its dequantized values (P exact): what the
     kernel computes up to P's rounding and the order of its sums; the reference its tests compare with."""
     H, S, D = q.shape[1:]
@@ -311,11 +347,16 @@ def fp8_attention_emulated(q: Tensor, k: Tensor, v: Tensor, causal: bool = False
     def blocks(x: Tensor, block: int) -> Tensor:
         n = x.shape[2]
         pad = torch.nn.functional.pad(x, (0, 0, 0, -n % block)).unflatten(2, (-1, block))  # (B, H, nb, block, D)
-        s = pad.abs().amax(dim=(3, 4), keepdim=True).clamp_min(1e-30) / E4M3_MAX
+        amax = pad.abs().amax(dim=(3, 4), keepdim=True).clamp_min(1e-30)
+        if qk_int8:  # to nearest, half away from zero, as the kernel rounds
+            y = pad / (amax / 127)
+            return (torch.sign(y) * torch.floor(y.abs() + 0.5) * (amax / 127)).flatten(2, 3)[:, :, :n]
+        s = amax / E4M3_MAX
         return ((pad / s).to(torch.float8_e4m3fn).double() * s).flatten(2, 3)[:, :, :n]
 
-    qd = blocks(q.double(), block_m)
-    kd = blocks(k.double() - key_offset(k).double()[:, :, None], block_n)
+    cfg = launch_config(causal)
+    qd = blocks(q.double(), block_m or cfg.block_m)
+    kd = blocks(k.double() - key_offset(k).double()[:, :, None], block_n or cfg.block_n)
     vs = v.double().abs().amax(dim=2, keepdim=True).clamp_min(1e-30) / E4M3_MAX
     vd = (v.double() / vs).to(torch.float8_e4m3fn).double() * vs if pv_fp8 else v.double()
     kd, vd = (t.repeat_interleave(H // G, dim=1) for t in (kd, vd))
