@@ -93,7 +93,8 @@ def fp8_section(df: pd.DataFrame, cpus: set[str]) -> tuple[str, list[Verdict]]:
         at = dict(zip(keys, key))
         value = {(r.provider, r.metric): r.value for r in case.itertuples() if r.status == "ok"}
         status = {r.provider: f"{r.status}: {r.reason}" for r in case.itertuples() if r.status != "ok"}
-        row = {k: at[k] for k in ("target", "inputs", "causal", "seq_len", "head_dim")}
+        row = {k: at[k] for k in ("target", "inputs", "causal")}
+        row.update(seq_len=int(at["seq_len"]), head_dim=int(at["head_dim"]))  # floats in a frame with other ops
         row["layer"] = "-" if pd.isna(at["layer"]) else int(at["layer"])
         for provider in FP8_PROVIDERS:
             if (provider, "tflops") in value:
@@ -102,11 +103,11 @@ def fp8_section(df: pd.DataFrame, cpus: set[str]) -> tuple[str, list[Verdict]]:
             elif provider in status:
                 row[provider] = status[provider].split(":")[0]
         guard = guard_reading(case, value)
+        row["guard"] = "-" if guard is None else guard["text"]
         if guard is not None:
-            row["guard"] = guard["text"]
             guards.append({**at, **guard})
         rows.append(row)
-        where = f"S={at['seq_len']}, D={at['head_dim']}, {'causal' if at['causal'] else 'full'}"
+        where = f"S={int(at['seq_len'])}, D={int(at['head_dim'])}, {'causal' if at['causal'] else 'full'}"
         on_gpu = at["target"] not in cpus
         if at["inputs"] == "normal" and at["head_dim"] == 128 and at["seq_len"] >= goal.min_seq_len:
             for peer, bound in (("sdpa_cudnn_bf16", goal.speedup_vs_cudnn), ("sage", goal.speedup_vs_sage)):
@@ -120,7 +121,7 @@ def fp8_section(df: pd.DataFrame, cpus: set[str]) -> tuple[str, list[Verdict]]:
                     (GPU_CLAIM if not on_gpu else "; ".join(f"{p}: {status[p]}" for p in ("fp8", peer)
                                                             if p in status) or "no reading")))
         if at["inputs"] == "real":
-            for provider in ("fp8", "fp8_pv_bf16", "fp8_e4m3_qk"):
+            for provider in ("fp8", "fp8_pv_bf16"):
                 cos, l2 = value.get((provider, "cosine")), value.get((provider, "rel_l2"))
                 if cos is None:
                     out.append(Verdict("G2-T3", f"{provider} on real inputs (layer {row['layer']}): cosine >= "
