@@ -34,3 +34,6 @@ for lane in "$@"; do
 done
 wait
 cat "$logs/lanes.txt"
+if [ -n "${OUT:-}" ] && [ -n "${TORCHINDUCTOR_CACHE_DIR:-}" ]; then
+  bash scripts/gpu_cache.sh save  # the lanes' compile caches, for the next call to carry
+fi

@@ -62,7 +62,9 @@ def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path)
     params = _params()
     rows = STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
     df = pd.DataFrame(rows)
-    assert (df.status == "ok").all(), df[df.status != "ok"]
+    kernels = df[df.metric == "kernels_per_step"]
+    assert (df.drop(kernels.index).status == "ok").all(), df[df.status != "ok"]
+    assert (kernels.status == "unavailable").all() and kernels.reason.str.contains("a CPU launches none").all()
     assert modes and set(modes) == {"reduce-overhead"}
     for B in (1, 2):
         at = df[df.batch == B]
@@ -73,6 +75,10 @@ def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path)
         assert set(at[at.metric == "paired_ratio"].provider) == set(TOY["configs"]) - {"compiled"}
         read = at[at.metric == "decode_bytes"].set_index("provider")["value"]
         assert read["int8"] < read["flash"] and read["no_cache"] < read["flash"]
+        # what a step must read: the cache's filled positions (prompt and the new token) of its 12
+        need = at[at.metric == "decode_bytes_needed"].set_index("provider")["value"]
+        cache = read["flash"] - read["no_cache"]
+        assert need["flash"] == read["no_cache"] + cache * 9 // 12 and need["no_cache"] == read["no_cache"]
         assert (at[at.metric == "peak_mem_mb"].value > 0).all()
     gpu = pd.concat([df.assign(target="h100", hardware="test gpu", cuda="13.0"),
                      pd.DataFrame([{"target": "h100", "hardware": "test gpu", "cuda": "13.0", "case_id": "machine",
@@ -81,8 +87,18 @@ def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path)
     claims = [v.claim for v in section.verdicts]
     assert claims[:3] == ["+FlashAttention: 28.3 ms after 42.5 (1.50x)", "+INT8: 18.7 ms after 28.3 (1.51x)",
                           "+TensorParallel: 12.4 ms"]
-    assert claims[3:] == ["batch-1 decode at least 80% of the bandwidth roofline",
-                          "INT8 weight-only decode at batch 1 at least 1.7x bf16's"]
+    assert claims[3:5] == ["batch-1 decode at least 80% of the bandwidth roofline",
+                           "INT8 weight-only decode at batch 1 at least 1.7x bf16's"]
+    assert claims[5:] == ["compiled bf16 decode at batch 1 at least 85% of the copy bandwidth (issue 66)",
+                          "compiled bf16 decode at batch 2 at least 80% of the copy bandwidth (issue 66)",
+                          "at most 120 kernels in a compiled batch-1 decode step (issue 66)",
+                          "INT4 weight-only decode at batch 1 at least 2.5x bf16's (issue 66)",
+                          "the README's generate within 5% of the study's step time (issue 66)"]
+    by = {v.claim: v for v in section.verdicts}
+    one_step = df[(df.batch == 1) & (df.phase == "decode") & (df.provider == "compiled")].set_index("metric")["value"]
+    fraction = one_step["decode_bytes_needed"] / (one_step["side_by_side_ms"] / 1e3) / 1e9  # copy: 1 GB/s
+    assert by[claims[5]].measured == f"{fraction:.1%}"
+    assert by[claims[7]].verdict == "not measured yet" and "a CPU launches none" in by[claims[7]].reason
     assert section.verdicts[2].verdict == "not measured yet"
     # the roofline verdict names the config of the highest bytes per second, not the fastest step
     one = df[(df.batch == 1) & (df.phase == "decode")]
@@ -90,6 +106,25 @@ def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path)
     gbps = (one[one.metric == "decode_bytes"].set_index("provider")["value"] / steps / 1e6).dropna()
     assert section.verdicts[3].measured == f"{gbps.max():.1%} ({gbps.idxmax()})"
     assert "| compiled_int8" in section.markdown
+
+
+def test_kernels_are_counted_from_a_traces_device_events_and_judged_against_the_filed_bound():
+    """The count leaves out host events, copies and memsets; the report holds a step to ``max_kernels_b1``."""
+    from types import SimpleNamespace
+
+    from adaattn_experiments.inference.report import decode_goal_verdicts
+    from adaattn_experiments.inference.study import count_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(device_type=cuda, name=n) for n in ("gemv", "Memcpy HtoD", "Memset", "rms_norm")]
+    assert count_kernels(events + [SimpleNamespace(device_type=cpu, name="aten::mm")]) == 2
+
+    def verdict(kernels):
+        base = {"hardware": "test gpu", "phase": "decode", "batch": 1, "provider": "compiled", "status": "ok"}
+        ok = pd.DataFrame([{**base, "metric": "kernels_per_step", "value": kernels}])
+        return next(v for v in decode_goal_verdicts(ok, ok, None, False) if "kernels" in v.claim)
+
+    assert (verdict(120.0).verdict, verdict(121.0).verdict) == ("holds", "worse than claimed")
 
 
 def test_the_torchao_peer_that_cannot_run_is_a_row_that_says_why(monkeypatch):
@@ -101,7 +136,8 @@ def test_the_torchao_peer_that_cannot_run_is_a_row_that_says_why(monkeypatch):
     peer = df[df.provider == "compiled_torchao_int8"]
     assert sorted(peer.phase) == ["decode", "prefill"] and (peer.status == "unavailable").all()
     assert peer.reason.str.contains("not importable: test").all()
-    assert (df[df.provider == "flash"].status == "ok").all()  # the others run
+    flash = df[(df.provider == "flash") & (df.metric != "kernels_per_step")]  # kernels: counted on a GPU
+    assert len(flash) and (flash.status == "ok").all()  # the others run
 
 
 def test_a_wrapper_subclass_counts_its_inner_tensors():

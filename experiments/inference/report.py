@@ -7,8 +7,9 @@ from pathlib import Path
 import pandas as pd
 
 from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge,
-                                            knobs, md_table, median_interval, prose)
+                                            knobs, md_table, median_interval, prose, rendered_params)
 from adaattn_experiments.common.paired import paired_frame, ratio_text
+from adaattn_experiments.inference.schema import DecodeGoals
 
 GB = 2**20 / 1e9  # MiB -> GB
 # the guide's rows and the config that measures each; its latencies' ratios are what another machine can check
@@ -25,7 +26,9 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         at = ok[(ok["target"] == target) & (ok["batch"] == batch)].set_index(["phase", "metric", "provider"])["value"]
         for config in dict.fromkeys(frame[frame["phase"] == "decode"]["provider"]):
             ms, read = at.get(("decode", "side_by_side_ms", config)), at.get(("decode", "decode_bytes", config))
+            need = at.get(("decode", "decode_bytes_needed", config))
             gbps = read / (ms / 1e3) / 1e9 if ms and read else None
+            needed = need / (ms / 1e3) / 1e9 if ms and need else None
             r = ratios[(ratios["target"] == target) & (ratios["batch"] == batch) & (ratios["vs"] == config)]
             bad = frame[(frame["provider"] == config) & (frame["status"] != "ok")]
             table.append({"target": target, "batch": int(batch), "config": config,
@@ -33,13 +36,64 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                           "decode ms / step": fmt(ms), "decode tokens/s": fmt(batch / ms * 1e3 if ms else None),
                           "GB read / step": fmt(read / 1e9 if read else None), "GB/s": fmt(gbps),
                           "of copy bandwidth": fmt(gbps / copy[target] if gbps and target in copy else None),
+                          "needed GB / step": fmt(need / 1e9 if need else None),
+                          "needed of copy": fmt(needed / copy[target] if needed and target in copy else None),
+                          "kernels / step": fmt(at.get(("decode", "kernels_per_step", config))),
                           "compiled / this": ratio_text(r.iloc[0].to_dict()) if len(r) else "-",
                           "peak GB": fmt(at.get(("generate", "peak_mem_mb", config), float("nan")) * GB),
                           "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
     for target, frame in ok.groupby("target", sort=False):
         verdicts += _verdicts(target, frame, copy.get(target), ratios, target in cpus)
+        verdicts += decode_goal_verdicts(frame, runs[runs["target"] == target], copy.get(target), target in cpus)
     md = prose(__file__, "g3_t3", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G3-T3", "Inference Performance (prefill, decode, KV cache, INT8, CUDA graphs)", md, verdicts)]
+
+
+def decode_goal() -> DecodeGoals:
+    """Issue 66's goals as filed in params.yaml (``G3-T3.decode_goals``; its defaults outside a render)."""
+    params = rendered_params()
+    return params.g3_t3.decode_goals if params is not None and params.g3_t3 is not None else DecodeGoals()
+
+
+def decode_goal_verdicts(ok: pd.DataFrame, runs: pd.DataFrame, copy: float | None, cpu: bool) -> list[Verdict]:
+    """Issue 66's goals, each read as ``G3-T3.decode_goals`` files it, on the ``compiled`` config."""
+    goal, hw, out = decode_goal(), ok["hardware"].iloc[0], []
+    dec = ok[ok["phase"] == "decode"]
+    at = dec.set_index(["batch", "metric", "provider"])["value"]
+    for batch in sorted({int(b) for b in dec["batch"]}):
+        ms, need = at.get((batch, "side_by_side_ms", "compiled")), at.get((batch, "decode_bytes_needed", "compiled"))
+        bound = goal.roofline_b1 if batch == 1 else goal.roofline_batched
+        claim = f"compiled bf16 decode at batch {batch} at least {bound:.0%} of the copy bandwidth (issue 66)"
+        if not (ms and need and copy):
+            out.append(Verdict("G3-T3", claim, f">= {bound:.0%}", "-", hw,
+                               "not measurable here" if cpu else "not measured yet",
+                               "a goal of the GPU's bandwidth" if cpu else
+                               "no compiled decode step with its bytes in this run"))
+            continue
+        fraction = need / (ms / 1e3) / 1e9 / copy
+        out.append(Verdict("G3-T3", claim, f">= {bound:.0%}", f"{fraction:.1%}", hw,
+                           "not measurable here" if cpu else judge((fraction, fraction), (bound, None), True),
+                           f"the weights and the cache's filled positions over the step's time, against the "
+                           f"{copy:.0f} GB/s copy measured in the same run"))
+    kernels = at.get((1, "kernels_per_step", "compiled"))
+    claim = f"at most {goal.max_kernels_b1} kernels in a compiled batch-1 decode step (issue 66)"
+    if kernels is None:
+        why = runs[(runs["metric"] == "kernels_per_step") & (runs["provider"] == "compiled")]["reason"]
+        out.append(Verdict("G3-T3", claim, f"<= {goal.max_kernels_b1}", "-", hw,
+                           "not measurable here" if cpu else "not measured yet",
+                           why.iloc[0] if len(why) else "no trace of a compiled step in this run"))
+    else:
+        out.append(Verdict("G3-T3", claim, f"<= {goal.max_kernels_b1}", f"{kernels:.0f}", hw,
+                           "not measurable here" if cpu else judge((kernels, kernels), (None, goal.max_kernels_b1),
+                                                                   False),
+                           "kernels in a CUDA trace of one step, copies and memsets left out"))
+    out.append(Verdict("G3-T3", f"INT4 weight-only decode at batch 1 at least {goal.int4_speedup:g}x bf16's (issue 66)",
+                       f">= {goal.int4_speedup:g}x", "-", hw, "not measured yet",
+                       "no INT4 weight-only config in the study yet"))
+    out.append(Verdict("G3-T3", f"the README's generate within {goal.generate_within:.0%} of the study's step time "
+                       "(issue 66)", f"<= {goal.generate_within:.0%}", "-", hw, "not measured yet",
+                       "the study does not time the README's generate loop yet"))
+    return out
 
 
 def _verdicts(target: str, ok: pd.DataFrame, copy: float | None, ratios: pd.DataFrame, cpu: bool) -> list[Verdict]:

@@ -38,9 +38,26 @@ class InferenceSweep(_Section):
         return self
 
 
+class DecodeGoals(_Section):
+    """Issue 66's decode goals, filed before their first run and read by the report alone (outside the results'
+    params hash). Read on the ``compiled`` config (bf16, the decode step in CUDA graphs), a step's time from the
+    side-by-side rounds: bytes a step must read (the weights, and the KV cache's positions filled at that step)
+    over that time, against the copy bandwidth measured in the same run, at least ``roofline_b1`` at batch 1 and
+    ``roofline_batched`` at every larger batch; at most ``max_kernels_b1`` kernels in a batch-1 step (a CUDA trace
+    of one step); INT4 weight-only at least ``int4_speedup`` x bf16 at batch 1; the README's ``generate`` within
+    ``generate_within`` of the step's time."""
+
+    roofline_b1: float = Field(0.85, gt=0, le=1)
+    roofline_batched: float = Field(0.80, gt=0, le=1)
+    max_kernels_b1: PositiveInt = 120
+    int4_speedup: float = Field(2.5, gt=0)
+    generate_within: float = Field(0.05, gt=0)
+
+
 class G3T3Section(ByProfile):
     cpu: InferenceSweep
     gpu: InferenceSweep
+    decode_goals: DecodeGoals = DecodeGoals()
 
 
 SECTIONS = {"G3-T3": G3T3Section}

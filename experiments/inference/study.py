@@ -74,6 +74,12 @@ def cache_bytes(model: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(("cache.k", "cache.v")))
 
 
+def count_kernels(events) -> int:
+    """GPU kernels among a profiler trace's events: device-side events but copies and memsets."""
+    return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset", "memcpy", "memset")))
+
+
 class Inference(StudyDef):
     name = "inference"
     table_ids = ("G3-T3",)
@@ -173,9 +179,31 @@ class Inference(StudyDef):
                 rows.append({**dec, "provider": c, "mode": "fwd", "metric": "decode_bytes", "value": read,
                              "unit": "bytes", "status": "ok", "reason": "weights, and the whole static KV cache"
                              if c != "no_cache" else "weights (the prefix's activations are recomputed, not read)"})
+                # what the step must read: the cache's positions filled at it (issue 66's roofline), not its length
+                need = weight_bytes(model) + (cache_bytes(model) * (P + 1) // (P + N) if c != "no_cache" else 0)
+                rows.append({**dec, "provider": c, "mode": "fwd", "metric": "decode_bytes_needed", "value": need,
+                             "unit": "bytes", "status": "ok", "reason": "weights, and the KV cache's filled positions"})
+                rows.append({**dec, **self._kernels_per_step(decode_work(c).fwd), "provider": c,
+                             "mode": "fwd"})
         for c in cached:
             clear_kv_cache(models[c])
         return rows
+
+    def _kernels_per_step(self, step) -> dict:
+        """The GPU kernels one decode step launches, from a CUDA trace of one call (warm: after the timed rounds)."""
+        row = {"metric": "kernels_per_step", "unit": "kernels"}
+        if self.device != "cuda":
+            return {**row, "value": None, "status": "unavailable",
+                    "reason": "kernels are counted from a CUDA trace: a CPU launches none"}
+        from torch.profiler import ProfilerActivity, profile
+
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        return {**row, "value": count_kernels(prof.events()), "status": "ok",
+                "reason": "device-side events of one step's trace, copies and memsets left out"}
 
     def _decoder(self, config: str):
         # gpt-fast's decode: one graph for every position, replayed as a CUDA graph (reduce-overhead)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Inductor's and Triton's compile caches kept from one GPU call to the next (each call starts on a bare machine,
+# so every call compiles cold and `max-autotune` does not fit in one; docs/gpu-box.md):
+#
+#   . scripts/gpu_cache.sh restore   # start of a call: the carried .gpu-cache/ (if any) becomes the caches
+#   bash scripts/gpu_cache.sh save   # end of a call: the caches as $OUT/gpu-cache.tgz, newest files first, at
+#                                    # most GPU_CACHE_MB (50) before compression
+#
+# Back here: `rm -rf .gpu-cache && mkdir .gpu-cache && tar xzf <files_at>/gpu-cache.tgz -C .gpu-cache`, and the
+# next call carries ".gpu-cache". Both caches key their entries by source, versions and device, so a stale entry is
+# a miss, never a wrong kernel. `restore` exports TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (source it; it sets
+# no shell options in the caller).
+_root=${GPU_CACHE_ROOT:-/tmp/gpu-cache}
+case "${1:-}" in
+  restore)
+    mkdir -p "$_root/inductor" "$_root/triton"
+    if [ -d .gpu-cache ]; then
+      cp -r .gpu-cache/. "$_root/"
+    fi
+    export TORCHINDUCTOR_CACHE_DIR="$_root/inductor" TRITON_CACHE_DIR="$_root/triton"
+    ;;
+  save)
+    : "${OUT:?save writes \$OUT/gpu-cache.tgz: OUT must name the output folder of the call}"
+    python3 - "$_root" "${GPU_CACHE_MB:-50}" "$OUT/gpu-cache.tgz" <<'EOF'
+import sys, tarfile
+from pathlib import Path
+
+root, cap, out = Path(sys.argv[1]), float(sys.argv[2]) * 2**20, sys.argv[3]
+files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime, reverse=True)
+kept, total = [], 0
+for p in files:  # newest first: what this call compiled or used
+    if total + p.stat().st_size <= cap:
+        kept.append(p)
+        total += p.stat().st_size
+with tarfile.open(out, "w:gz") as tar:
+    for p in kept:
+        tar.add(p, arcname=str(p.relative_to(root)))
+print(f"gpu-cache: {len(kept)} of {len(files)} files, {total / 2**20:.1f} MiB (cap {cap / 2**20:.0f}) -> {out}")
+EOF
+    ;;
+  *)
+    echo "usage: . scripts/gpu_cache.sh restore | bash scripts/gpu_cache.sh save (allowed: restore, save)" >&2
+    return 2 2>/dev/null || exit 2
+    ;;
+esac

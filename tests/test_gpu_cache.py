@@ -1,0 +1,48 @@
+"""scripts/gpu_cache.sh: the compile caches a GPU call carries in (restore) and brings back (save), capped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_cache.sh"
+
+
+def _bash(cmd: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", cmd], cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True)
+
+
+def test_restore_makes_the_carried_caches_the_compile_caches(tmp_path):
+    (tmp_path / ".gpu-cache" / "triton" / "ab").mkdir(parents=True)
+    (tmp_path / ".gpu-cache" / "triton" / "ab" / "kernel.cubin").write_bytes(b"x")
+    root = tmp_path / "root"
+    done = _bash(f". {SCRIPT} restore && echo $TORCHINDUCTOR_CACHE_DIR $TRITON_CACHE_DIR && echo $-", tmp_path,
+                 GPU_CACHE_ROOT=str(root))
+    inductor, triton, flags = done.stdout.split()
+    assert done.returncode == 0 and (inductor, triton) == (f"{root}/inductor", f"{root}/triton")
+    assert (root / "triton" / "ab" / "kernel.cubin").read_bytes() == b"x"
+    assert "u" not in flags and "e" not in flags  # sourced: no shell option left set in the caller
+
+
+def test_save_keeps_the_newest_files_under_the_cap(tmp_path):
+    root, out = tmp_path / "root", tmp_path / "out"
+    (root / "inductor").mkdir(parents=True)
+    out.mkdir()
+    for i, name in enumerate(("old", "mid", "new")):
+        f = root / "inductor" / name
+        f.write_bytes(os.urandom(2**20))
+        os.utime(f, (1_000_000 + i, 1_000_000 + i))
+    done = _bash(f"bash {SCRIPT} save", tmp_path, GPU_CACHE_ROOT=str(root), OUT=str(out), GPU_CACHE_MB="2.5")
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(out / "gpu-cache.tgz") as tar:
+        assert sorted(tar.getnames()) == ["inductor/mid", "inductor/new"]
+    assert "2 of 3 files" in done.stdout
+
+
+def test_bad_use_is_named(tmp_path):
+    wrong = _bash(f"bash {SCRIPT} keep", tmp_path)
+    assert wrong.returncode == 2 and "allowed: restore, save" in wrong.stderr
+    no_out = _bash(f"bash {SCRIPT} save", tmp_path, GPU_CACHE_ROOT=str(tmp_path), OUT="")
+    assert no_out.returncode != 0 and "OUT must name" in no_out.stderr
