@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from adaattn_pipeline.bench.harness import Workload
 from adaattn.timing.memory import peak_row
+from adaattn.timing.trace import profiler_session
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
@@ -195,11 +196,12 @@ class Inference(StudyDef):
         if self.device != "cuda":
             return {**row, "value": None, "status": "unavailable",
                     "reason": "kernels are counted from a CUDA trace: a CPU launches none"}
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity
 
         step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # CUPTI detached when it ends: the next batch's timed rounds pay no profiler callbacks
+        with profiler_session([ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
         return {**row, "value": count_kernels(prof.events()), "status": "ok",
