@@ -166,7 +166,12 @@ def test_forced_sdpa_backend_runs_that_backend_and_restores_the_flags():
     assert {n: g() for n, g in get.items()} == before
 
 
-def test_unavailable_backend_falls_back_with_its_reason_logged_once(caplog):
+def test_unavailable_backend_falls_back_with_its_reason_logged_once(caplog, monkeypatch):
+    from adaattn.attention import kernel_manager
+
+    # another test in the same worker can leave the module's logger disabled (a library's logging config with
+    # disable_existing_loggers): this test reads the records, not the process's logging setup
+    monkeypatch.setattr(kernel_manager.log, "disabled", False)
     km = AttentionKernelManager(backends=["math", "chunked"])
     q, k, v = _qkv()
     km.rankings[Signature.of(q, k, "none").key()] = ["math", "chunked"]

@@ -8,18 +8,32 @@ from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from adaattn_pipeline.config import ByProfile, Rounds, check_preset
 from adaattn_pipeline.config import Section as _Section
+from adaattn_experiments.common.schedule import TrainSchedule
 
-INFERENCE_CONFIGS = ("base", "flash", "int8", "compiled", "compiled_int8", "compiled_torchao_int8", "no_cache")
+INFERENCE_CONFIGS = ("base", "flash", "int8", "compiled", "compiled_plain", "compiled_int8", "compiled_int4",
+                     "compiled_torchao_int8", "compiled_torchao_int4", "no_cache")
+
+
+class QualityRun(TrainSchedule):
+    """Weight-only quantization's price (issue 66): ``model`` trained on the schedule (real text, fresh weights),
+    then its validation loss over the schedule's held-out windows with its weights in the sweep's dtype, in INT8
+    and in INT4 (the sweep's ``int4_group_size``)."""
+
+    model: str  # a preset of `models`
 
 
 class InferenceSweep(_Section):
-    """G3-T3 and issue 48's decode goals: a dense decoder's prefill and decode in each of ``configs`` at each of
-    ``batches``, side by side per batch: ``base`` (eager, SDPA's math backend: the scores materialised),
-    ``flash`` (SDPA's fused backends), ``int8`` (flash with INT8 weight-only linears), ``compiled`` (flash, the
-    decode step compiled with CUDA graphs), ``compiled_int8`` (the same over INT8 weights),
-    ``compiled_torchao_int8`` (the same over torchao's ``Int8WeightOnlyConfig``: the peer) and ``no_cache``
-    (flash without the KV cache: each new token runs the whole prefix again). ``prompt_len`` tokens of prompt;
-    the cache holds ``prompt_len + new_tokens``; weights in ``dtype``."""
+    """G3-T3 and issues 48 and 66's decode goals: a dense decoder's prefill and decode in each of ``configs`` at
+    each of ``batches``, side by side per batch. Eager, the model's own layers (the guide's ladder): ``base``
+    (SDPA's math backend: the scores materialised), ``flash`` (SDPA's fused backends), ``int8`` (flash with INT8
+    weight-only linears). Compiled with CUDA graphs (``torch.compile(decode_one, mode="reduce-overhead")``, the
+    README's path): ``compiled`` (the fused decode step, ``models.decode_step``), ``compiled_plain`` (the
+    model's own layers: plain compiled PyTorch, the gpt-fast pattern), ``compiled_int8`` and ``compiled_int4``
+    (the fused step over INT8, and INT4 in groups of ``int4_group_size``), ``compiled_torchao_int8`` and
+    ``compiled_torchao_int4`` (the model's own layers over torchao's ``Int8WeightOnlyConfig`` and
+    ``Int4WeightOnlyConfig``: the peers). ``no_cache``: flash without the KV cache (each new token runs the
+    whole prefix again). ``prompt_len`` tokens of prompt; the cache holds ``prompt_len + new_tokens``; weights
+    in ``dtype``."""
 
     model: str  # a preset of `models`: a dense decoder with SDPA attention
     batches: Annotated[list[PositiveInt], Field(min_length=1)]
@@ -27,6 +41,8 @@ class InferenceSweep(_Section):
     new_tokens: PositiveInt
     configs: Annotated[list[Literal[INFERENCE_CONFIGS]], Field(min_length=1)]  # type: ignore[valid-type]
     dtype: Literal["bf16", "fp32"] = "bf16"
+    int4_group_size: Literal[32, 64, 128, 256] = 64  # INT4: input columns sharing a scale and an offset
+    quality: QualityRun | None = None  # INT8 and INT4's validation-loss price on a trained preset (None: not run)
     side_by_side: Rounds
     seed: NonNegativeInt = 0
 
@@ -44,8 +60,10 @@ class DecodeGoals(_Section):
     side-by-side rounds: bytes a step must read (the weights, and the KV cache's positions filled at that step)
     over that time, against the copy bandwidth measured in the same run, at least ``roofline_b1`` at batch 1 and
     ``roofline_batched`` at every larger batch; at most ``max_kernels_b1`` kernels in a batch-1 step (a CUDA trace
-    of one step); INT4 weight-only at least ``int4_speedup`` x bf16 at batch 1; the README's ``generate`` within
-    ``generate_within`` of the step's time."""
+    of one step); INT4 weight-only (``compiled_int4``) at least ``int4_speedup`` x bf16 at batch 1 (the paired
+    rounds' ratio); the README's ``generate`` at batch 1 at most ``generate_within`` slower a token than the
+    step's side-by-side time (one-sided: its sampling and output write are extra work, a faster loop is no
+    miss; filed 2026-11-28 before its first run)."""
 
     roofline_b1: float = Field(0.85, gt=0, le=1)
     roofline_batched: float = Field(0.80, gt=0, le=1)
@@ -74,3 +92,5 @@ def check(params) -> None:
                 check_decodable(params.models[run.model])
             except ValueError as err:
                 raise ValueError(f"G3-T3.{profile}.model {run.model!r}: {err}") from None
+            if run.quality is not None:
+                check_preset(params, f"G3-T3.{profile}.quality", run.quality.model, run.quality.seq_len)

@@ -1,21 +1,24 @@
-"""The inference study (G3-T3, issue 48's decode goals): a dense decoder's prefill and decode step in each config,
-side by side per batch size, every config from the same weights (``config.InferenceSweep``: base, flash, int8,
-compiled, compiled_int8, compiled_torchao_int8, no_cache).
+"""The inference study (G3-T3, issues 48 and 66's decode goals): a dense decoder's prefill and decode step in each
+config, side by side per batch size, every config from the same weights (``schema.InferenceSweep``: base, flash,
+int8, compiled, compiled_plain, compiled_int8, compiled_int4, the torchao peers, no_cache).
 
 Per batch: the prompt's prefill (``models.generate.prefill``) side by side across the configs with a cache; one
 decode step (``decode_one`` at the position after the prompt, the cache as long as prompt and new tokens) side by
 side across every config, ``no_cache`` running the whole prefix and the new token instead; each config's peak
 memory over a prefill and ``new_tokens`` decode steps; and the bytes a decode step must read (weights, and the
 whole static cache, which the masked attention reads), from which the report gives the achieved bandwidth as a
-fraction of the copy bandwidth measured at the start of the same run (the decode roofline).
+fraction of the copy bandwidth measured at the start of the same run (the decode roofline); the kernels one step
+launches (a CUDA trace); and for the compiled configs the README's ``generate`` loop's time a token.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import time
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -25,22 +28,28 @@ from adaattn.timing.trace import profiler_session
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
-from adaattn_experiments.inference.schema import InferenceSweep
+from adaattn_experiments.common.fit import fit
+from adaattn_experiments.inference.schema import InferenceSweep, QualityRun
 from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import build_model
-from adaattn.models.generate import clear_kv_cache, decode_one, prefill, setup_kv_cache
-from adaattn.models.quant import quantize_int8_weight_only
+from adaattn.models.generate import clear_kv_cache, decode_one, generate, prefill, setup_kv_cache
+from adaattn.models.quant import quantize_weight_only
+from adaattn.models.data import batch as windows
+from adaattn.models.data import load_corpus
 from adaattn.models.train import DTYPES
 
 INT8 = {"int8", "compiled_int8"}
-TORCHAO = {"compiled_torchao_int8"}
-COMPILED = {"compiled", "compiled_int8", *TORCHAO}
+TORCHAO = {"compiled_torchao_int8", "compiled_torchao_int4"}
+COMPILED = {"compiled", "compiled_plain", "compiled_int8", "compiled_int4", *TORCHAO}
+FUSED = {"compiled", "compiled_int8", "compiled_int4"}  # the fused decode step (models.decode_step); the rest: the
+# model's own layers, so the eager configs measure the guide's ladder and compiled_plain the gpt-fast pattern
+GENERATE_REPEATS = 3  # README generate loops timed a config and length (the fastest kept: no host noise in it)
 
 
 def torchao_missing() -> str | None:
-    """Why torchao's INT8 weight-only config cannot run here (None: it can)."""
+    """Why torchao's weight-only configs cannot run here (None: they can)."""
     try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: F401
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_  # noqa: F401
     except Exception as err:  # noqa: BLE001 - any import failure is the row's reason
         return f"torchao.quantization not importable: {type(err).__name__}: {err}"[:300]
     return None
@@ -84,7 +93,7 @@ def count_kernels(events) -> int:
 class Inference(StudyDef):
     name = "inference"
     table_ids = ("G3-T3",)
-    config_columns = ["model", "batch", "seq_len", "phase"]
+    config_columns = ["model", "batch", "seq_len", "phase", "step"]  # step: the quality run's training rows
     sections = ("G3-T3",)
 
     def presets(self, raw: dict, section: str, profile: str) -> list[str]:
@@ -105,7 +114,16 @@ class Inference(StudyDef):
         torch.manual_seed(sweep.seed)
         initial = build_model(cfg).state_dict()
         missing = {c: why for c in sweep.configs if c in TORCHAO and (why := torchao_missing())}
-        models = {c: self._model(cfg, c, initial, sweep) for c in sweep.configs if c not in missing}
+        models = {}
+        for c in sweep.configs:
+            if c in missing:
+                continue
+            try:
+                models[c] = self._model(cfg, c, initial, sweep)
+            except Exception as err:  # noqa: BLE001 - a peer that cannot quantize this model: its row says why
+                if c not in TORCHAO:
+                    raise
+                missing[c] = f"torchao could not quantize the model: {type(err).__name__}: {err}"[:300]
         del initial
         rows: list[dict] = []
         for batch in sweep.batches:
@@ -117,20 +135,61 @@ class Inference(StudyDef):
                           "phase": phase, "provider": c, "mode": "fwd", "metric": "side_by_side_ms", "value": None,
                           "unit": "ms", "status": "unavailable", "reason": why} for phase in ("prefill", "decode")]
             torch._dynamo.reset()  # a fresh cache per batch: the compiled decode's graphs are per shape
+        if sweep.quality is not None:
+            del models
+            rows += self._quality_rows(params, sweep)
         return rows
 
+    def _quality_rows(self, params: Params, sweep: InferenceSweep) -> list[dict]:
+        """The quality model trained on real text (``common.fit``: its loss rows), then its validation loss with
+        the weights in the sweep's dtype, INT8 and INT4, over the same held-out windows."""
+        q: QualityRun = sweep.quality
+        self.note(f"quality: {q.model} trained {q.steps} steps, then its validation loss in full precision, INT8, "
+                  f"INT4 (groups of {sweep.int4_group_size})")
+        corpus = load_corpus(q.val_percent)
+        held = torch.Generator().manual_seed(q.seed + 1)  # fit's own held-out windows
+        val = [windows(corpus.val, q.batch, q.seq_len, held) for _ in range(q.eval_batches)]
+        base = {"table_id": "G3-T3", "case_id": f"G3-T3/{q.model}-quality", "kernel": "", "model": q.model,
+                "batch": q.batch, "seq_len": q.seq_len, "phase": "quality", "mode": "fwd", "metric": "val_loss",
+                "unit": "nats"}
+
+        def price(trainer) -> list[dict]:
+            trained = trainer.model.state_dict()
+            out = []
+            for variant, bits in (("full", None), ("int8", 8), ("int4", 4)):
+                model = build_model(trainer.model.cfg, device=self.device)
+                model.load_state_dict(trained)
+                model = model.to(DTYPES[sweep.dtype]).eval().requires_grad_(False)
+                if bits is not None:
+                    quantize_weight_only(model, bits, sweep.int4_group_size)
+                with torch.no_grad():
+                    losses = [F.cross_entropy(model(w[:, :-1].to(self.device)).flatten(0, 1).float(),
+                                              w[:, 1:].flatten().to(self.device)).item() for w in val]
+                out.append({**base, "provider": variant, "value": sum(losses) / len(losses), "status": "ok",
+                            "reason": f"mean over {len(val)} held-out windows, weights in {sweep.dtype}" +
+                                      ("" if bits is None else f", INT{bits} weight-only" +
+                                       (f" in groups of {sweep.int4_group_size}" if bits == 4 else ""))})
+            return out
+
+        rows = fit(q.model, params.models[q.model], q, corpus, None, self.device, table_id="G3-T3", after=price)
+        return [{**r, "phase": "quality"} for r in rows]
+
     def _model(self, cfg: ModelConfig, config: str, initial: dict[str, Tensor], sweep: InferenceSweep) -> nn.Module:
-        model = build_model(cfg)
+        model = build_model(cfg, device=self.device)  # its own init on the device: minutes less for a 1B on a GPU
         model.load_state_dict(initial)
-        model = model.to(device=self.device, dtype=DTYPES[sweep.dtype]).eval().requires_grad_(False)
+        model = model.to(dtype=DTYPES[sweep.dtype]).eval().requires_grad_(False)
+        model.fused_decode = config in FUSED
         if config in TORCHAO:
-            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+            from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
             # the linears ours quantizes: every one but the LM head (tied to the embedding's table)
-            quantize_(model, Int8WeightOnlyConfig(),
-                      filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "head")
+            recipe = Int8WeightOnlyConfig() if config.endswith("int8") else \
+                Int4WeightOnlyConfig(group_size=sweep.int4_group_size)
+            quantize_(model, recipe, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "head")
             return model
-        return quantize_int8_weight_only(model) if config in INT8 else model
+        if config == "compiled_int4":
+            return quantize_weight_only(model, 4, sweep.int4_group_size)
+        return quantize_weight_only(model, 8) if config in INT8 else model
 
     def _batch_rows(self, cfg: ModelConfig, models: dict[str, nn.Module], B: int, sweep: InferenceSweep) -> list[dict]:
         P, N = sweep.prompt_len, sweep.new_tokens
@@ -186,6 +245,9 @@ class Inference(StudyDef):
                              "unit": "bytes", "status": "ok", "reason": "weights, and the KV cache's filled positions"})
                 rows.append({**dec, **self._kernels_per_step(decode_work(c).fwd), "provider": c,
                              "mode": "fwd"})
+                if c in COMPILED:
+                    rows.append({**gen, "provider": c, "mode": "fwd", **self._generate_ms(models[c], decoders[c],
+                                                                                          prompt, N)})
         for c in cached:
             clear_kv_cache(models[c])
         return rows
@@ -207,6 +269,31 @@ class Inference(StudyDef):
         return {**row, "value": count_kernels(prof.events()), "status": "ok",
                 "reason": "device-side events of one step's trace, copies and memsets left out"}
 
+    def _generate_ms(self, model: nn.Module, decode, prompt: Tensor, N: int) -> dict:
+        """The README's loop (``generate`` with the compiled step) a token: its time for N new tokens less its
+        time for one (the prefill and the first token), over N - 1, each the fastest of ``GENERATE_REPEATS``."""
+        def run(n: int) -> float:
+            best = float("inf")
+            for _ in range(GENERATE_REPEATS):
+                self._sync()
+                start = time.perf_counter()
+                generate(model, prompt, n, decode=decode)
+                self._sync()
+                best = min(best, time.perf_counter() - start)
+            return best * 1e3
+
+        if N < 2:
+            return {"metric": "generate_ms_per_token", "value": None, "unit": "ms", "status": "unavailable",
+                    "reason": "one new token: no decode step in the loop to time"}
+        run(N)  # warm: the loop's own first calls (sampling, the output's writes)
+        ms = (run(N) - run(1)) / (N - 1)
+        return {"metric": "generate_ms_per_token", "value": ms, "unit": "ms", "status": "ok",
+                "reason": f"generate(prompt, {N}) less generate(prompt, 1), over {N - 1} tokens"}
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
     def _decoder(self, config: str):
         # gpt-fast's decode: one graph for every position, replayed as a CUDA graph (reduce-overhead)
         return torch.compile(decode_one, mode="reduce-overhead", fullgraph=True) if config in COMPILED else decode_one
@@ -218,9 +305,7 @@ class Inference(StudyDef):
             if config == "no_cache":
                 self._call(config, model, tokens)
                 return
-            self._call(config, prefill, model, tokens[:, :P])
-            for i in range(P, tokens.shape[1]):
-                self._call(config, decode, model, tokens[:, i:i + 1], torch.tensor([i], device=self.device))
+            self._call(config, generate, model, tokens[:, :P], tokens.shape[1] - P, 0.0, decode)
 
     @staticmethod
     def _call(config: str, fn, *args):

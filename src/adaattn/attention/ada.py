@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adaattn.attention.args import check_heads, check_policy
-from adaattn.attention.backends import BACKENDS, Signature, attention_probs, sdpa_path, traced_name
+from adaattn.attention.backends import BACKENDS, Signature, attention_probs, bucket, sdpa_path, traced_name
 from adaattn.attention.hardware import HardwareCapabilities
 from adaattn.attention.kernel_manager import AttentionKernelManager
 from adaattn.attention.masks import merge_masks
@@ -48,16 +48,6 @@ def shared_kernel_manager() -> AttentionKernelManager:
     if _shared is None:
         _shared = AttentionKernelManager(cache_path=os.environ.get(ENV_CACHE) or None)
     return _shared
-
-
-def bucket(n) -> int:
-    """``n`` rounded up to a power of two, by comparisons: under ``torch.compile`` a dynamic size is guarded to its
-    bucket's range, not to its value (one graph serves every length of a bucket; a plan is per bucket, as the
-    policies' signatures are)."""
-    b = 1
-    while n > b:
-        b *= 2
-    return b
 
 
 def plan_key(q: Tensor, k: Tensor, mask_kind: str, grad: bool) -> tuple:

@@ -71,7 +71,7 @@ class Signature:
             raise ValueError(f"mask kind {mask!r} is not one of: {', '.join(MASK_KINDS)}")
         (B, H, L, D), (Hkv, S) = (int(n) for n in q_shape), (int(k_shape[1]), int(k_shape[2]))
         return Signature(device_type, device_name(device_type, index), str(dtype).removeprefix("torch."), B, H, Hkv, D,
-                         _bucket(L), _bucket(S), mask, grad, L == S if square is None else bool(square))
+                         bucket(L), bucket(S), mask, grad, L == S if square is None else bool(square))
 
 
 @torch.compiler.assume_constant_result  # a constant of the compiled graph: read once, never traced
@@ -80,8 +80,14 @@ def device_name(device_type: str, index: int | None) -> str:
     return HardwareCapabilities.detect(device_type if index is None else f"{device_type}:{index}").name
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+def bucket(n) -> int:
+    """``n`` rounded up to a power of two, by comparisons: under ``torch.compile`` a dynamic size is guarded to its
+    bucket's range, not to its value (one graph serves every length of a bucket; a plan is per bucket, as the
+    policies' signatures are)."""
+    b = 1
+    while n > b:
+        b *= 2
+    return b
 
 
 # A backend: run(q, k, v, attn_mask, is_causal, scale) and why_not(signature) -> reason or None.

@@ -134,8 +134,8 @@ class PrecisionPolicy:
             q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
             L, S = q.shape[2], k.shape[2]
             cfg = launch_config(causal)
-            BLOCK_M = cfg.block_m
-            n_blocks = -(-L // BLOCK_M)
+            block_m = cfg.block_m
+            n_blocks = -(-L // block_m)
             picks = sorted({round(i * (n_blocks - 1) / max(1, self.fp8_sample_blocks - 1))
                             for i in range(min(self.fp8_sample_blocks, n_blocks))})
             kv = quantize_kv(k, v, block_n=cfg.block_n)
@@ -143,10 +143,10 @@ class PrecisionPolicy:
             kf, vf = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
             worst = 0.0
             for b in picks:
-                rows = slice(b * BLOCK_M, min(L, (b + 1) * BLOCK_M))
-                got = fp8_attention_fwd(q[:, :, rows], kv, causal, scale, q_offset=b * BLOCK_M).float()
+                rows = slice(b * block_m, min(L, (b + 1) * block_m))
+                got = fp8_attention_fwd(q[:, :, rows], kv, causal, scale, q_offset=b * block_m).float()
                 mask = None
-                if causal:  # the block's positions among the keys: b * BLOCK_M ...
+                if causal:  # the block's positions among the keys: b * block_m ...
                     pos = torch.arange(rows.start, rows.stop, device=q.device)
                     mask = pos[:, None] >= torch.arange(S, device=q.device)[None, :]
                 ref = F.scaled_dot_product_attention(q[:, :, rows].float(), kf, vf, attn_mask=mask, scale=scale)

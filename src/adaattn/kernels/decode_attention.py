@@ -14,7 +14,7 @@ step however few are filled, and one (batch, head) pair is too little work to fi
 same every step and a CUDA graph replays it while the cache fills; ``splits`` depends only on the cache's shape.
 ``window``: only the last ``window`` filled positions (a sliding-window model's cache).
 
-Not yet on the models' decode path (docs/notebook.md, 2026-11-28, seventeenth session): measured there first.
+The models' fused decode step (``models.decode_step``) runs it for every layer.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ BLOCK_N = 64  # cache positions a loop step reads
 
 
 def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window: int | None = None,
-                         scale: float | None = None) -> Tensor:
+                         scale: float | None = None, length_offset: int = 0) -> Tensor:
     """q (B, H, D), k and v (B, G, M, D), ``length`` (B,) or () filled positions -> (B, H, D) in q's dtype;
     the softmax in fp32. Each query sees positions [length - window, length) (all from 0 without a window)."""
     B, H, D = q.shape
     G, M = k.shape[1], k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     slots = torch.arange(M, device=q.device)
-    n = length.reshape(-1, 1).expand(B, 1)
+    n = length.reshape(-1, 1).expand(B, 1) + length_offset
     seen = slots[None, :] < n
     if window is not None:
         seen &= slots[None, :] >= n - window
@@ -50,13 +50,16 @@ def decode_attention_ref(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window
 
 @triton.jit
 def _partial_kernel(q_ptr, k_ptr, v_ptr, len_ptr, pacc_ptr, pm_ptr, pl_ptr,
-                    G, M, CHUNK, SPLITS, len_stride, scale,
+                    G, M, CHUNK, SPLITS, len_stride, len_offset, scale,
                     sq_b, sq_h, sk_b, sk_g, sk_m, sv_b, sv_g, sv_m,
                     R: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr):
     bg, split = tl.program_id(0), tl.program_id(1)
     b, g = bg // G, bg % G
-    n_filled = tl.load(len_ptr + b * len_stride)
+    if PDL:  # launched while the kernel before drains: wait for it before reading anything it wrote
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    n_filled = tl.load(len_ptr + b * len_stride) + len_offset
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, n_filled)
     if WINDOW > 0:
@@ -96,9 +99,12 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, len_ptr, pacc_ptr, pm_ptr, pl_ptr,
 
 @triton.jit
 def _combine_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, H, SPLITS, so_b, so_h,
-                    R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+                    R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     bh = tl.program_id(0)
     b, h = bh // H, bh % H
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     g, r = h // R, h % R
     s = tl.arange(0, BLOCK_S)
     smask = s < SPLITS
@@ -122,9 +128,9 @@ def num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device
 
 
 def decode_attention_fwd(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window: int | None = None,
-                         scale: float | None = None) -> Tensor:
+                         scale: float | None = None, pdl: bool = False, length_offset: int = 0) -> Tensor:
     """The kernels: q (B, H, D), k and v (B, G, M, D) (last dim contiguous), ``length`` int (B,) or () on the
-    same device -> (B, H, D)."""
+    same device -> (B, H, D). ``pdl``: launched with Programmatic Dependent Launch (Hopper and newer)."""
     B, H, D = q.shape
     G, M = k.shape[1], k.shape[2]
     R = H // G
@@ -137,24 +143,28 @@ def decode_attention_fwd(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window
     out = torch.empty_like(q)
     lengths = length.reshape(-1)
     fp32 = q.dtype == torch.float32 or interpreter()
+    pdl = pdl and not interpreter()
+    extra = {"launch_pdl": True} if pdl else {}
     _partial_kernel[(B * G, splits)](
-        q, k, v, lengths, pacc, pm, pl, G, M, chunk, splits, 0 if lengths.numel() == 1 else 1,
+        q, k, v, lengths, pacc, pm, pl, G, M, chunk, splits, 0 if lengths.numel() == 1 else 1, length_offset,
         D ** -0.5 if scale is None else scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        R=R, D=D, WINDOW=window or 0, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=BLOCK_N, FP32=fp32)
+        R=R, D=D, WINDOW=window or 0, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=BLOCK_N, FP32=fp32,
+        PDL=pdl, **extra)
     _combine_kernel[(B * H,)](pacc, pm, pl, out, H, splits, out.stride(0), out.stride(1),
-                              R=R, D=D, BLOCK_S=max(2, triton.next_power_of_2(splits)))
+                              R=R, D=D, BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl, **extra)
     return out
 
 
 @torch.library.custom_op("adaattn::decode_attention", mutates_args=())
 def decode_attention_op(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window: int | None,
-                        scale: float | None) -> Tensor:
-    return decode_attention_fwd(q, k, v, length, window, scale)
+                        scale: float | None, pdl: bool, length_offset: int) -> Tensor:
+    return decode_attention_fwd(q, k, v, length, window, scale, pdl, length_offset)
 
 
 @decode_attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window: int | None, scale: float | None) -> Tensor:
+def _(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window: int | None, scale: float | None, pdl: bool,
+      length_offset: int) -> Tensor:
     return torch.empty_like(q)
 
 
@@ -177,18 +187,20 @@ def check_decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, wind
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window: int | None = None,
-                     scale: float | None = None) -> Tensor:
-    """Attention of one new token a sequence over its cache's first ``length`` positions (the last ``window``
-    of them with a window): q (B, H, D), k and v (B, G, M, D) -> (B, H, D). The kernels where they can run,
-    else the reference; inference only (no gradient). ``length`` is at least 1 (it is not read on the host)."""
+                     scale: float | None = None, pdl: bool = False, length_offset: int = 0) -> Tensor:
+    """Attention of one new token a sequence over its cache's first ``length + length_offset`` positions (the
+    last ``window`` of them with a window): q (B, H, D), k and v (B, G, M, D) -> (B, H, D). The kernels where
+    they can run, else the reference; inference only (no gradient). The filled count is at least 1 (it is not
+    read on the host); ``length_offset=1`` with the step's position as ``length`` saves computing it (a kernel
+    under torch.compile). ``pdl``: the kernels launch with Programmatic Dependent Launch (Hopper and newer)."""
     check_decode_attention(q, k, v, length, window)
     if not use_triton(q, k, v, length) or q.requires_grad:
-        return decode_attention_ref(q, k, v, length, window, scale)
+        return decode_attention_ref(q, k, v, length, window, scale, length_offset)
     k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
     q = q if q.stride(-1) == 1 else q.contiguous()
     if torch.compiler.is_compiling():
-        return decode_attention_op(q, k, v, length, window, scale)
-    return decode_attention_fwd(q, k, v, length, window, scale)
+        return decode_attention_op(q, k, v, length, window, scale, pdl, length_offset)
+    return decode_attention_fwd(q, k, v, length, window, scale, pdl, length_offset)
 
 
 __all__ = ["decode_attention", "decode_attention_ref", "num_splits"]

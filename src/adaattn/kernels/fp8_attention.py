@@ -61,9 +61,10 @@ def launch_config(causal: bool) -> LaunchConfig:
 
 @dataclass(frozen=True)
 class FP8KV:
-    """K in e4m3 with a scale per block of rows; for P·V in FP8 V transposed in e4m3 with a scale per channel."""
+    """K in int8 (Q·K in int8, the default) or e4m3 with a scale per block of rows; for P·V in FP8 V transposed
+    in e4m3 with a scale per channel."""
 
-    k: Tensor  # (B, G, Skv, D) e4m3 (int8: Q·K in int8), K minus its offset (``key_offset``)
+    k: Tensor  # (B, G, Skv, D) int8 (or e4m3), K minus its offset (``key_offset``)
     k_scale: Tensor  # (B, G, cdiv(Skv, block_n)) fp32
     v: Tensor  # P·V in FP8: V transposed, (B, G, D, Skv) e4m3; else V itself (B, G, Skv, D)
     v_scale: Tensor | None  # P·V in FP8: (B, G, D) fp32

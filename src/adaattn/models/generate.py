@@ -91,9 +91,14 @@ def sample(logits: Tensor, temperature: float = 0.0, generator: torch.Generator 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: float = 0.0,
              decode: Callable[[nn.Module, Tensor, Tensor], Tensor] = decode_one,
-             generator: torch.Generator | None = None) -> Tensor:
+             generator: torch.Generator | None = None, eos_token: int | None = None) -> Tensor:
     """``prompt`` (B, P) and ``new_tokens`` more (B, P + new_tokens): prefill, then one ``decode`` per token (pass
-    a compiled ``decode_one``). The caches must hold B sequences of P + new_tokens (``setup_kv_cache``)."""
+    a compiled ``decode_one``). The caches must hold B sequences of P + new_tokens (``setup_kv_cache``).
+
+    Nothing is read back to the host between tokens: the position is a device tensor advanced in place, each
+    token is sampled and written into the output on the device, and a sequence that has produced ``eos_token``
+    continues with it (no early stop, which would need a host sync a token: every sequence runs the same
+    ``new_tokens`` steps). The host only queues work, so a compiled step runs back to back."""
     if new_tokens < 0:
         raise ValueError(f"new_tokens={new_tokens} must be at least 0")
     layers = _attention_layers(model)
@@ -107,13 +112,20 @@ def generate(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: flo
     if B != cache.k.shape[0] or (isinstance(cache, KVCache) and P + new_tokens > cache.k.shape[2]):
         raise ValueError(f"prompt (B={B}, P={P}) + {new_tokens} new tokens does not fit the cache "
                          f"(batch {cache.k.shape[0]}, max_seq_len {cache.k.shape[2]})")
-    out = [prompt]
     if new_tokens == 0:
         return prompt
+    out = torch.empty(B, P + new_tokens, dtype=prompt.dtype, device=prompt.device)
+    out[:, :P] = prompt
     token = sample(prefill(model, prompt), temperature, generator)
-    out.append(token)
-    for i in range(new_tokens - 1):
-        pos = torch.tensor([P + i], device=prompt.device)
+    done = token == eos_token if eos_token is not None else None
+    out[:, P:P + 1] = token
+    pos = torch.full((1,), P, dtype=torch.long, device=prompt.device)
+    for i in range(1, new_tokens):
+        torch.compiler.cudagraph_mark_step_begin()  # a compiled step's graph is replayed, not recorded again
         token = sample(decode(model, token, pos), temperature, generator)
-        out.append(token)
-    return torch.cat(out, dim=1)
+        if done is not None:  # a finished sequence repeats its end token
+            token = torch.where(done, eos_token, token)
+            done |= token == eos_token
+        out[:, P + i:P + i + 1] = token
+        pos += 1
+    return out

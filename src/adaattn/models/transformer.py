@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from adaattn.attention.ada import AdaAttention
 from adaattn.attention.flexible import flexible_attention
 from adaattn.layers import GradientCheckpointMixin, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from adaattn.models import decode_step
 from adaattn.models.config import ModelConfig
 from adaattn.models.kv_cache import KVCache
 from adaattn.models.ltm import Compressor, SegmentCache, empty_banks, memory_kv, memory_stats, segment_mask, write
@@ -172,7 +173,13 @@ class Transformer(GradientCheckpointMixin, nn.Module):
     shared middle stack ``recursions`` times (the r-th on the (R - r) / R of the sequence its router picks
     among the tokens of the recursion before), the last block; in every stack, the MoD blocks take their
     router's top ``mod_capacity``. ``forward(tokens, return_aux=True)`` also returns the routers' causal
-    auxiliary loss, which ``loss`` and the trainer add."""
+    auxiliary loss, which ``loss`` and the trainer add.
+
+    Decoding one token a sequence over static KV caches runs ``models.decode_step``'s fused kernels where they
+    can (``decode_step.why_not`` says why not, elsewhere); ``fused_decode = False`` runs the model's own layers
+    (the plain PyTorch step the inference study compares them with)."""
+
+    fused_decode: bool = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -296,6 +303,8 @@ class Transformer(GradientCheckpointMixin, nn.Module):
             raise ValueError("input_pos decodes with KV caches: call generate.setup_kv_cache(model, batch) first")
         if self.cfg.memory_slots is not None:
             return self._decode_segments(tokens, input_pos)
+        if decode_step.why_not(self, tokens) is None:
+            return decode_step.fused_decode(self, tokens, input_pos)
         x = self.embed(tokens)
         if self.pos is not None:
             x = x + self.pos(input_pos)
