@@ -122,7 +122,8 @@ def decode_goal_verdicts(ok: pd.DataFrame, runs: pd.DataFrame, copy: float | Non
         out.append(Verdict("G3-T3", claim, f">= {goal.int4_speedup:g}x", "-", hw,
                            "not measurable here" if cpu else "not measured yet",
                            "no compiled and compiled_int4 pair at batch 1 in this run"))
-    claim = f"the README's generate at batch 1 at most {goal.generate_within:.0%} slower a token than the step (issue 66)"
+    claim = (f"the README's generate at batch 1 at most {goal.generate_within:.0%} slower a token than the step "
+             "(issue 66)")
     gen = ok[(ok["phase"] == "generate") & (ok["metric"] == "generate_ms_per_token")]
     gen = gen.set_index(["batch", "provider"])["value"]
     step, loop = at.get((1, "side_by_side_ms", "compiled")), gen.get((1, "compiled"))
