@@ -114,9 +114,15 @@ def evaluate(trainer: Trainer, batches: list[torch.Tensor]) -> float:
     """Mean next-byte cross-entropy (nats) over ``batches``, the model in eval mode (left in it: a training step
     puts it back in training mode)."""
     trainer.model.eval()
+    return val_loss(trainer.forward, batches, trainer.device)
+
+
+@torch.no_grad()
+def val_loss(forward: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor], device) -> float:
+    """Mean next-byte cross-entropy (nats) of ``forward``'s logits over ``batches``."""
     total = 0.0
     for tokens in batches:
-        tokens = tokens.to(trainer.device)
-        logits = trainer.forward(tokens[:, :-1])
+        tokens = tokens.to(device)
+        logits = forward(tokens[:, :-1])
         total += float(F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()))
     return total / len(batches)

@@ -18,7 +18,6 @@ import functools
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -28,7 +27,7 @@ from adaattn.timing.trace import profiler_session
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
-from adaattn_experiments.common.fit import fit
+from adaattn_experiments.common.fit import fit, val_loss
 from adaattn_experiments.inference.schema import InferenceSweep, QualityRun
 from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import build_model
@@ -162,10 +161,7 @@ class Inference(StudyDef):
                 model = model.to(DTYPES[sweep.dtype]).eval().requires_grad_(False)
                 if bits is not None:
                     quantize_weight_only(model, bits, sweep.int4_group_size)
-                with torch.no_grad():
-                    losses = [F.cross_entropy(model(w[:, :-1].to(self.device)).flatten(0, 1).float(),
-                                              w[:, 1:].flatten().to(self.device)).item() for w in val]
-                out.append({**base, "provider": variant, "value": sum(losses) / len(losses), "status": "ok",
+                out.append({**base, "provider": variant, "value": val_loss(model, val, self.device), "status": "ok",
                             "reason": f"mean over {len(val)} held-out windows, weights in {sweep.dtype}" +
                                       ("" if bits is None else f", INT{bits} weight-only" +
                                        (f" in groups of {sweep.int4_group_size}" if bits == 4 else ""))})

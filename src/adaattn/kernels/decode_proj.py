@@ -17,9 +17,10 @@ CUDA-graph decoders are built (five a layer):
 The norm is recomputed by every program from the row it reads anyway (a row of 2K values from L2), the
 price of not launching it. Weights are 16-bit (``nn.Linear``), INT8 with a scale per output channel, or INT4
 in groups of K with a scale and an offset per group (two values a byte, low nibble first), dequantized in
-registers: the kernels read the packed bytes. One row (GEMV) is fp32 multiply-adds; more rows run on tensor cores
-(rows padded to 16), fp32 accumulation; with Programmatic Dependent Launch (``pdl=True``, Hopper and newer) each kernel launches
-while the one before it drains and waits (``griddepcontrol.wait``) only before reading its inputs.
+registers: the kernels read the packed bytes. One row (GEMV) is fp32 multiply-adds; more rows run on tensor
+cores (rows padded to 16), fp32 accumulation; with Programmatic Dependent Launch (``pdl=True``, Hopper and
+newer) each kernel launches while the one before it drains and waits (``griddepcontrol.wait``) only before
+reading its inputs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from adaattn.kernels.runtime import interpreter
+from adaattn.kernels.reference import rms_norm_ref, rope_ref
+from adaattn.kernels.runtime import interpreter, sm_count
 
 STORE, ADD, SWIGLU, ROPE = 0, 1, 2, 3  # the epilogues
 _STORE, _ADD, _SWIGLU, _ROPE = (tl.constexpr(e) for e in (STORE, ADD, SWIGLU, ROPE))  # the same, inside kernels
@@ -217,9 +219,7 @@ def _args(w: QuantWeight) -> tuple[Tensor, Tensor, Tensor]:
 
 
 # Launch configs (BLOCK_N, BLOCK_K, warps, stages, GEMV) by rows (1, up to 16, up to 64), projection and weight
-# bits: the fastest of a sweep of each projection of a 1B Llama (dim 2048, hidden 8192) alone on an H200 (CUDA
-# graphs, weights cycled past L2;
-# docs/notebook.md, 2026-11-28, nineteenth session). One row reads the weight with fp32 multiply-adds (GEMV);
+# bits: the fastest of a sweep of each projection of a 1B Llama alone on an H200 (docs/notebook.md). One row reads the weight with fp32 multiply-adds (GEMV);
 # INT8 and INT4 rows of the output and down projections read faster on tensor cores, whose dequantization is
 # spread over more threads. Not tuned per GPU at run time: each config is a compile, dozens a model.
 _GEMV_BF16 = {"qkv": (4, 1024, 8, 1), "o": (8, 1024, 4, 1), "gate_up": (8, 512, 4, 3), "down": (16, 512, 8, 2),
@@ -311,7 +311,8 @@ def _quant(data: Tensor, scale: Tensor | None, offset: Tensor | None, group: int
 
 def _splits(n_blocks: int, K: int, block_k: int, device: torch.device) -> int:
     """K splits for an ADD projection: about two programs an SM in all, each at least one K tile."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
     return max(1, min(triton.cdiv(K, block_k), triton.cdiv(2 * sms, n_blocks)))
 
 
@@ -322,20 +323,18 @@ def _linear_ref(x: Tensor, w: QuantWeight) -> Tensor:
 
 
 def _norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(weight.dtype)
+    """RMSNorm of the (fp32) residual stream, in the model's dtype as its RMSNorm returns it."""
+    return rms_norm_ref(x, weight, eps).to(weight.dtype)
 
 
 def norm_qkv_rope_ref(x: Tensor, norm: Tensor, eps: float, w: QuantWeight, cos: Tensor, sin: Tensor, pos: Tensor,
                       k_cache: Tensor, v_cache: Tensor, n_heads: int) -> Tensor:
     B, (G, D) = x.shape[0], k_cache.shape[1:4:2]
-    qkv = _linear_ref(_norm_ref(x, norm, eps), w).float().view(B, -1, D)
-    c, s = cos[pos].float(), sin[pos].float()  # (1, D/2)
-    a, b = qkv[..., :D // 2], qkv[..., D // 2:]
-    rot = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
-    k_cache[:, :, pos] = rot[:, n_heads:n_heads + G, None].to(k_cache.dtype)
-    v_cache[:, :, pos] = qkv[:, n_heads + G:, None].to(v_cache.dtype)
-    return rot[:, :n_heads].to(norm.dtype)
+    qkv = _linear_ref(_norm_ref(x, norm, eps), w).float().view(B, 1, -1, D)  # (B, S=1, heads, D)
+    q, k = rope_ref(qkv[:, :, :n_heads], qkv[:, :, n_heads:n_heads + G], cos[pos], sin[pos])
+    k_cache[:, :, pos] = k[:, 0, :, None].to(k_cache.dtype)
+    v_cache[:, :, pos] = qkv[:, 0, n_heads + G:, None].to(v_cache.dtype)
+    return q[:, 0].to(norm.dtype)
 
 
 def norm_swiglu_ref(x: Tensor, norm: Tensor, eps: float, w: QuantWeight) -> Tensor:

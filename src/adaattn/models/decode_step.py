@@ -10,8 +10,8 @@ with atomics; the model's own forward keeps it in the weights' dtype), the logit
 Dependent Launch, each starting while the one before drains.
 
 Anything these kernels do not cover runs the model's own layers (``why_not`` names it, and the step is the
-same function either way): the switch ``Transformer.fused_decode``, more than ``FUSED_MAX_BATCH`` sequences, the kernels off or on a device they cannot
-run on, a gradient, LayerNorm, a GELU MLP, learned positions or QK-norm, biases, an LTM or sliding-window
+same function either way): the switch ``Transformer.fused_decode``, more than ``FUSED_MAX_BATCH`` sequences,
+the kernels off or on a device they cannot run on, a gradient, LayerNorm, a GELU MLP, learned positions or QK-norm, biases, an LTM or sliding-window
 model, quantized layers these kernels cannot read (torchao's, a DTensor), forward hooks (tensor parallelism's
 all-reduce).
 """
@@ -26,10 +26,9 @@ from adaattn.kernels.decode_proj import ROPE_ROWS, QuantWeight, add_linear_, nor
 from adaattn.kernels.runtime import use_triton
 from adaattn.models.kv_cache import KVCache
 
-# Sequences a step the fused kernels run for: one row a projection reads every weight with fp32 multiply-adds
-# (GEMV), 1.4x plain compiled PyTorch's step for llama_1b on an H200; from 8 rows up their tensor-core tiles were
-# slower than cuBLAS's there (docs/notebook.md, 2026-11-28, nineteenth session), so larger batches run the
-# model's own layers until they are not.
+# Sequences a step the fused kernels run for: one row reads every weight with fp32 multiply-adds (GEMV), faster
+# than plain compiled PyTorch; for more rows the kernels' tensor-core tiles lose to cuBLAS (docs/notebook.md), so
+# larger batches run the model's own layers until they do not.
 FUSED_MAX_BATCH = 1
 
 
