@@ -219,9 +219,10 @@ def _args(w: QuantWeight) -> tuple[Tensor, Tensor, Tensor]:
 
 
 # Launch configs (BLOCK_N, BLOCK_K, warps, stages, GEMV) by rows (1, up to 16, up to 64), projection and weight
-# bits: the fastest of a sweep of each projection of a 1B Llama alone on an H200 (docs/notebook.md). One row reads the weight with fp32 multiply-adds (GEMV);
-# INT8 and INT4 rows of the output and down projections read faster on tensor cores, whose dequantization is
-# spread over more threads. Not tuned per GPU at run time: each config is a compile, dozens a model.
+# bits: the fastest of a sweep of each projection of a 1B Llama alone on an H200 (docs/notebook.md). One row
+# reads the weight with fp32 multiply-adds (GEMV); INT8 and INT4 rows of the output and down projections read
+# faster on tensor cores, whose dequantization is spread over more threads. Not tuned per GPU at run time: each
+# config is a compile, dozens a model.
 _GEMV_BF16 = {"qkv": (4, 1024, 8, 1), "o": (8, 1024, 4, 1), "gate_up": (8, 512, 4, 3), "down": (16, 512, 8, 2),
               "head": (8, 1024, 4, 1)}
 _CONFIGS = {

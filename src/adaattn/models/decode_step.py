@@ -1,19 +1,19 @@
 """The decode step of a dense decoder in few kernels (issue 66): what ``Transformer`` runs for one new token a
 sequence over its KV caches when the kernels can.
 
-A layer is five launches (``kernels.decode_proj``, ``kernels.decode_attention``): RMSNorm + q/k/v projection +
-RoPE + the cache write; the split-K attention over the cache's filled positions (and its combine); the output
-projection added into the residual stream; RMSNorm + gate/up projection + SwiGLU; the down projection added
-into the residual stream. The residual stream is fp32 for the step (the projections add their K splits into it
-with atomics; the model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With
+A layer is five launches (``kernels.decode_proj``, ``kernels.decode_attention``): RMSNorm + q/k/v projection + RoPE
++ the cache write; the split-K attention over the cache's filled positions (and its combine); the
+output projection added into the residual stream; RMSNorm + gate/up projection + SwiGLU; the down projection added
+into the residual stream. The residual stream is fp32 for the step (the projections add their K splits into it with
+atomics; the model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With
 ``reduce-overhead`` the whole step is one CUDA graph; on Hopper the projections launch with Programmatic
 Dependent Launch, each starting while the one before drains.
 
-Anything these kernels do not cover runs the model's own layers (``why_not`` names it, and the step is the
-same function either way): the switch ``Transformer.fused_decode``, more than ``FUSED_MAX_BATCH`` sequences,
-the kernels off or on a device they cannot run on, a gradient, LayerNorm, a GELU MLP, learned positions or QK-norm, biases, an LTM or sliding-window
-model, quantized layers these kernels cannot read (torchao's, a DTensor), forward hooks (tensor parallelism's
-all-reduce).
+Anything these kernels do not cover runs the model's own layers (``why_not`` names it, and the step is the same
+function either way): the switch ``Transformer.fused_decode``, more than ``FUSED_MAX_BATCH`` sequences, the kernels
+off or on a device they cannot run on, a gradient, LayerNorm, a GELU MLP, learned positions or QK-norm, biases, an
+LTM or sliding-window model, quantized layers these kernels cannot read (torchao's, a DTensor), forward hooks
+(tensor parallelism's all-reduce).
 """
 
 from __future__ import annotations
