@@ -198,7 +198,9 @@ class Inference(StudyDef):
         cached = [c for c in configs if c != "no_cache"]
         for c in cached:
             setup_kv_cache(models[c], B, P + N, dtype=DTYPES[sweep.dtype])
-        token, pos = tokens[:, P:P + 1], torch.tensor([P], device=self.device)
+        # contiguous, as generate's sampled tokens are: a strided view would be another graph for torch.compile to
+        # build (its guards read strides), and the generate rows below would compile every decode step twice
+        token, pos = tokens[:, P:P + 1].contiguous(), torch.tensor([P], device=self.device)
         decoders = {c: self._decoder(c) for c in cached}
 
         def prefill_work(c: str) -> Workload:
