@@ -1,6 +1,7 @@
 """The MFU study on the CPU at toy size: each config's training step side by side, each config adding its setting
-to those before it, our kernels' config compiling a graph of its own, fp8 a GPU's; the report's goals; bad
-sweeps name their key."""
+to those before it, our kernels' config compiling a graph of its own, fp8 and the torchtitan peer a GPU's; the
+report's goals, the peer's apart from the zoo's; torchtitan's model at a preset's shape; bad sweeps name their
+key."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
-TOY = {"cases": [{"model": "dense_small", "batch": 2, "seq_len": 16, "configs": ["plain", "kernels", "loss", "fp8"]}],
+TOY = {"cases": [{"model": "dense_small", "batch": 2, "seq_len": 16,
+                  "configs": ["plain", "kernels", "loss", "fp8", "torchtitan"]}],
        "dtype": "fp32", "side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 3}}
 
 
@@ -33,13 +35,15 @@ def test_each_config_is_timed_side_by_side_with_its_own_graph(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: compile_(fn, backend="eager"))
     built = []
     trainer = mfu.Mfu._trainer
-    monkeypatch.setattr(mfu.Mfu, "_trainer", lambda self, cfg, on, initial, sweep: built.append(
-        (sorted(on), {k: v.clone() for k, v in initial.items()})) or trainer(self, cfg, on, initial, sweep))
+    monkeypatch.setattr(mfu.Mfu, "_trainer", lambda self, cfg, on, initial, sweep, S: built.append(
+        (sorted(on), {k: v.clone() for k, v in initial.items()})) or trainer(self, cfg, on, initial, sweep, S))
     params = _params()
     rows = mfu.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
     df = pd.DataFrame(rows)
     timed = df[df.metric == "side_by_side_ms"].set_index("provider")
     assert timed.loc["fp8", "status"] == "unavailable" and "float8" in timed.loc["fp8", "reason"]
+    assert timed.loc["torchtitan", "status"] == "unavailable" and "no backward on a CPU" in timed.loc["torchtitan",
+                                                                                                        "reason"]
     assert (timed.loc[["plain", "kernels", "loss"], "status"] == "ok").all()
     # each config adds its setting to those listed before it, and starts from the same weights
     assert [on for on, _ in built] == [["plain"], ["kernels", "plain"], ["kernels", "loss", "plain"]]
@@ -59,8 +63,50 @@ def test_a_preset_without_an_op_our_kernels_cover_says_so():
     from adaattn_experiments.mfu.study import Mfu
 
     params = _params()
-    assert "no op our kernels cover" in Mfu("cpu").unavailable("kernels", params.models["g0_small"])
-    assert Mfu("cpu").unavailable("kernels", params.models["dense_small"]) is None
+    assert "no op our kernels cover" in Mfu("cpu").unavailable("kernels", params.models["g0_small"], 16)
+    assert Mfu("cpu").unavailable("kernels", params.models["dense_small"], 16) is None
+
+
+def test_torchtitan_runs_where_its_model_and_attention_can():
+    from adaattn_experiments.mfu import titan
+
+    params = _params()
+    dense = params.models["dense_small"]
+    assert "no backward on a CPU" in titan.why_not("cpu", dense, 64)
+    assert "dense RMSNorm, SwiGLU, RoPE" in titan.why_not("cuda", params.models["g0_small"], 64)  # LayerNorm, GELU
+    assert "dense RMSNorm" in titan.why_not("cuda", params.models["hydra_small"], 64)  # CCGQA, routing
+    assert "a multiple of 8" in titan.why_not("cuda", dense, 60)
+
+
+def test_torchtitans_model_has_the_presets_shape():
+    """The same parameters, matrix by matrix in count, as the zoo's model of the preset (so the same card FLOPs)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is the GPU box's peer, not in the CPU lock")
+    from adaattn.models.transformer import build_model
+    from adaattn_experiments.mfu import titan
+
+    for name in ("llama_1b", "dense_small"):
+        cfg = validate(load_raw(PARAMS)).models[name]
+        with torch.device("meta"):
+            theirs, ours = titan.model_config(cfg, 2048).build(), build_model(cfg, "meta")
+        assert sum(p.numel() for p in theirs.parameters()) == sum(p.numel() for p in ours.parameters())
+        block = theirs.layers["0"]
+        assert block.attention_norm.eps == cfg.norm_eps and block.feed_forward.w1.out_features == cfg.hidden
+    assert titan.why_not("cuda", cfg, 64) is None
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_torchtitans_step_trains():
+    pytest.importorskip("torchtitan")
+    from adaattn_experiments.mfu import titan
+
+    cfg = _params().models["dense_small"]
+    step = titan.TitanStep(cfg, 64, "cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 65), device="cuda")
+    before = step.model.layers["0"].feed_forward.w1.weight.detach().clone()
+    losses = [float(step.step((tokens[:, :-1], tokens[:, 1:]))) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]  # the same batch, learned
+    assert not torch.equal(before, step.model.layers["0"].feed_forward.w1.weight)
+    assert step.held_bytes() > 0
 
 
 def _frame(ms: dict[str, float], ratios: dict[str, tuple[float, float, float]], model: str = "llama_1b",
@@ -111,6 +157,39 @@ def test_the_goals_read_the_best_config(tmp_path):
     # g0_transformer has an MFU goal and no speedup goal; a CPU target is not judged
     section, _ = render(_frame({"plain": 100.0}, {}, model="g0_transformer", target="cpu"), tmp_path)
     assert [v.verdict for v in section.verdicts] == ["not measurable here"]
+
+
+def test_the_peer_is_judged_apart_from_the_zoo(tmp_path, monkeypatch):
+    from adaattn_experiments.mfu import report
+
+    # torchtitan the fastest: still not the zoo's best config; the peer goal reads kernels (the fastest bf16)
+    df = _frame({"plain": 180.0, "kernels": 170.0, "fp8": 150.0, "torchtitan": 140.0},
+                {"kernels": (1.06, 1.05, 1.07), "fp8": (1.2, 1.18, 1.22), "torchtitan": (1.3, 1.28, 1.32)},
+                fp8_rate=2000.0)
+    section, _ = report.render(df, tmp_path)
+    mfu, speedup, peer = section.verdicts
+    assert mfu.measured == "58.8% (kernels)" and "(fp8)" in speedup.measured
+    assert "torchtitan's tokens/s" in peer.claim and peer.verdict == "worse than claimed"
+    assert peer.measured.startswith(f"{1.06 / 1.3:.3f} (CI {1.05 / 1.32:.3f}-{1.07 / 1.28:.3f}; kernels)")
+    # slower peer: 1.06 / 0.9 with its interval taken at the far ends
+    df = _frame({"plain": 180.0, "kernels": 170.0, "torchtitan": 200.0},
+                {"kernels": (1.06, 1.05, 1.07), "torchtitan": (0.9, 0.89, 0.91)})
+    (*_, peer) = report.render(df, tmp_path)[0].verdicts
+    assert peer.verdict == "holds" and f"CI {1.05 / 0.91:.3f}-{1.07 / 0.89:.3f}" in peer.measured
+    # intervals that straddle the bound: inconclusive, whichever way the medians lean
+    df = _frame({"plain": 180.0, "torchtitan": 185.0}, {"torchtitan": (0.96, 0.93, 0.99)})
+    (*_, peer) = report.render(df, tmp_path)[0].verdicts
+    assert peer.verdict == "inconclusive" and "; plain)" in peer.measured
+    # a peer that could not run has no reading; a CPU target is not judged; the bound is params.yaml's
+    down = _frame({"plain": 180.0, "torchtitan": 1.0}, {})
+    down.loc[down["provider"] == "torchtitan", ["value", "status", "reason"]] = [None, "unavailable", "no wheel"]
+    (*_, peer) = report.render(down, tmp_path)[0].verdicts
+    assert peer.verdict == "not measured yet" and "no wheel" in peer.reason
+    (*_, peer) = report.render(_frame({"plain": 1.0, "torchtitan": 1.0}, {}, target="cpu"), tmp_path)[0].verdicts
+    assert peer.verdict == "not measurable here"
+    monkeypatch.setattr(report, "peer_goals", lambda: report.MfuGoals(peer_speedup={"llama_1b": 1.2}))
+    (*_, peer) = report.render(df, tmp_path)[0].verdicts
+    assert "at least 1.2x" in peer.claim and peer.verdict == "worse than claimed"
 
 
 @pytest.mark.parametrize("case, message", [

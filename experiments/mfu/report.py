@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from adaattn_pipeline.report.common import Section, Verdict, cpu_targets, fmt, judge, knobs, md_table, prose
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, judge, knobs, md_table, prose,
+                                            rendered_params)
 from adaattn_experiments.common.paired import paired_frame, ratio_text
+from adaattn_experiments.mfu.schema import PEERS, MfuGoals
 
 GB = 2**20 / 1e9  # MiB -> GB
 
@@ -25,7 +27,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         at = frame[frame["status"] == "ok"].set_index(["metric", "provider"])["value"]
         flops = at.get(("model_flops", "model"))
         step = frame[frame["metric"] == "side_by_side_ms"]
-        fastest, bf16_best = None, None  # (config, ms), (config, MFU)
+        fastest, bf16_best, bf16_fastest = None, None, None  # the zoo's (config, ms), (config, MFU), (config, ms)
         for _, row in step.iterrows():
             config, ms = row["provider"], row["value"] if row["status"] == "ok" else None
             # like with like: each config against the GEMM rate of its own precision, measured in this run
@@ -34,9 +36,12 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             mfu = flops / (ms / 1e3) / (rate * 1e12) if ms and flops and rate else None
             r = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id) & (ratios["vs"] == config)]
             r = r.iloc[0].to_dict() if len(r) else None
-            if ms and (fastest is None or ms < fastest[1]):
+            zoo = config not in PEERS  # a peer is compared with, never one of, the zoo's configs
+            if zoo and ms and (fastest is None or ms < fastest[1]):
                 fastest = config, ms
-            if mfu is not None and basis == "bf16" and (bf16_best is None or mfu > bf16_best[1]):
+            if zoo and ms and basis == "bf16" and (bf16_fastest is None or ms < bf16_fastest[1]):
+                bf16_fastest = config, ms
+            if zoo and mfu is not None and basis == "bf16" and (bf16_best is None or mfu > bf16_best[1]):
                 bf16_best = config, mfu
             table.append({"target": target, "model": model, "B x S": f"{int(frame['batch'].iloc[0])} x "
                           f"{int(frame['seq_len'].iloc[0])}", "config": config, "step ms": fmt(ms),
@@ -49,6 +54,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                           "note": "" if ms else f"{row['status']}: {row['reason']}"})
         verdicts += _goals(target, case_id, model, hw, fastest and fastest[0], bf16_best, rates["bf16"].get(target),
                            ratios, target in cpus)
+        verdicts += _peer_goals(target, case_id, model, hw, frame, bf16_fastest and bf16_fastest[0], ratios,
+                                target in cpus)
     md = prose(__file__, "g0_t1", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G0-T1", "MFU goals (training step, compiled, by config)", md, verdicts), _g0_c2(runs)]
 
@@ -102,4 +109,38 @@ def _goals(target: str, case_id: str, model: str, hw: str, fastest: str | None, 
             out.append(Verdict("G0-T1", claim, f">= {speedup:g}x", f"{ratio_text(r)} ({fastest})", hw,
                                judge((r["ci_low"], r["ci_high"]), (speedup, None), higher_is_better=True),
                                f"plain's step time over {fastest}'s (the fastest config), round by round"))
+    return out
+
+
+def peer_goals() -> MfuGoals:
+    """Issue 67's peer goal as filed in params.yaml (``mfu.goals``; its defaults outside a render)."""
+    params = rendered_params()
+    return params.mfu.goals if params is not None and params.mfu is not None else MfuGoals()
+
+
+def _peer_goals(target: str, case_id: str, model: str, hw: str, frame: pd.DataFrame, best: str | None,
+                ratios: pd.DataFrame, cpu: bool) -> list[Verdict]:
+    """The zoo's fastest bf16 config against each peer timed in the case, as ``mfu.goals`` reads it: the peer's
+    step time over that config's, from both paired ratios to plain in the same rounds."""
+    goal, out = peer_goals().peer_speedup.get(model), []
+    steps = frame[frame["metric"] == "side_by_side_ms"]
+    for peer in [p for p in PEERS if p in set(steps["provider"])] if goal is not None else []:
+        claim = f"{model}: the zoo's fastest bf16 config at least {goal:g}x {peer}'s tokens/s (issue 67)"
+        row = steps[steps["provider"] == peer].iloc[0]
+        pick = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id)].set_index("vs")
+        if cpu or row["status"] != "ok" or best is None or peer not in pick.index or \
+                (best != "plain" and best not in pick.index):
+            why = "a GPU goal" if cpu else f"{peer}: {row['status']}: {row['reason']}" if row["status"] != "ok" \
+                else "no paired ratio of both to plain in this run"
+            out.append(Verdict("G0-T1", claim, f">= {goal:g}x", "-", hw,
+                               "not measurable here" if cpu else "not measured yet", why))
+            continue
+        one = {"value": 1.0, "ci_low": 1.0, "ci_high": 1.0}  # plain against itself
+        ours, theirs = (one if best == "plain" else pick.loc[best]), pick.loc[peer]
+        value = ours["value"] / theirs["value"]
+        low, high = ours["ci_low"] / theirs["ci_high"], ours["ci_high"] / theirs["ci_low"]
+        out.append(Verdict("G0-T1", claim, f">= {goal:g}x", f"{value:.3f} (CI {low:.3f}-{high:.3f}; {best})", hw,
+                           judge((low, high), (goal, None), higher_is_better=True),
+                           f"{peer}'s step time over {best}'s (the zoo's fastest bf16 config), each through its "
+                           "ratio to plain in the same rounds"))
     return out

@@ -9,12 +9,13 @@ from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 from adaattn_pipeline.config import ByProfile, Rounds, check_preset
 from adaattn_pipeline.config import Section as _Section
 
-MFU_CONFIGS = ("plain", "kernels", "loss", "fp8")
+MFU_CONFIGS = ("plain", "kernels", "loss", "fp8", "torchtitan")
+PEERS = ("torchtitan",)  # another library's step at the same shape: timed beside ours, adds no setting to ours
 
 
 class MfuCase(_Section):
-    """One model's training step at one shape, in each of ``configs`` (``plain`` first: the baseline; each config
-    adds its setting to every config listed before it)."""
+    """One model's training step at one shape, in each of ``configs`` (``plain`` first: the baseline; each of the
+    zoo's configs adds its setting to every one listed before it; a peer, ``torchtitan``, is its own step)."""
 
     model: str
     batch: PositiveInt
@@ -34,7 +35,8 @@ class MfuSweep(_Section):
     (compiled PyTorch: SDPA, bf16 autocast, TF32, fused AdamW, PyTorch's norm and activation ops for inductor to
     fuse, the loss eager), ``kernels`` (our Triton kernels), ``loss`` (the loss compiled too) and ``fp8``
     (torchao's float8 training on the blocks' linears), each config adding its setting to those listed before
-    it. Each case's models are resident together: their weights and AdamW state must fit."""
+    it; ``torchtitan``: torchtitan's llama3 step at the same shape (``titan.py``). Each case's models are
+    resident together: their weights and AdamW state must fit."""
 
     cases: Annotated[list[MfuCase], Field(min_length=1)]
     compile_mode: Literal["default", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
@@ -44,9 +46,20 @@ class MfuSweep(_Section):
     seed: NonNegativeInt = 0
 
 
+class MfuGoals(_Section):
+    """Issue 67's goal against the peer, filed 2026-11-28 before its first run and read by the report alone
+    (outside the results' params hash): per preset, the zoo's fastest bf16 config (plain, kernels or loss: not
+    fp8, since the peer trains in bf16) at least ``peer_speedup`` x torchtitan's tokens/s. Read from the rounds'
+    paired ratios to plain, torchtitan's over that config's; its interval the quotient of the two ratios'
+    intervals taken at their far ends (wider than a ratio paired directly: no verdict it cannot carry)."""
+
+    peer_speedup: dict[str, Annotated[float, Field(gt=0)]] = {"llama_1b": 1.05}
+
+
 class MfuSection(ByProfile):
     cpu: MfuSweep
     gpu: MfuSweep
+    goals: MfuGoals = MfuGoals()
 
 
 SECTIONS = {"mfu": MfuSection}

@@ -8,7 +8,8 @@ every config listed before it:
   the loss eager (``torch.compile(model)``, as a user writes it);
 - ``kernels``: our Triton kernels (RMSNorm, SwiGLU, rotary) as custom ops in the compiled graph;
 - ``loss``: the loss compiled too (the fp32 cast and cross-entropy fused over the logits);
-- ``fp8``: torchao's float8 training (tensorwise scales) on the blocks' linears; the LM head stays bf16.
+- ``fp8``: torchao's float8 training (tensorwise scales) on the blocks' linears; the LM head stays bf16;
+- ``torchtitan``: the peer, torchtitan's llama3 step at the same shape (``titan.py``), adding nothing to ours.
 
 The blocks are compiled one at a time (``compile_scope``: every layer shares the one graph) and dynamo is told
 to fail rather than fall back to eager past its recompile limit, so a config is compiled or is an error row; each
@@ -37,7 +38,8 @@ from adaattn.timing.timers import make_timer
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
-from adaattn_experiments.mfu.schema import MfuCase, MfuSweep
+from adaattn_experiments.mfu import titan
+from adaattn_experiments.mfu.schema import PEERS, MfuCase, MfuSweep
 from adaattn.kernels import set_use_triton_kernels
 from adaattn.kernels import runtime
 from adaattn.kernels.runtime import get_kernel_status
@@ -105,7 +107,9 @@ class Mfu(StudyDef):
     def cases(self, params: Params, target: Target) -> list:
         return []  # whole training steps, side by side: extra_rows measures them
 
-    def unavailable(self, config: str, cfg: ModelConfig) -> str | None:
+    def unavailable(self, config: str, cfg: ModelConfig, seq_len: int) -> str | None:
+        if config == "torchtitan":
+            return titan.why_not(self.device, cfg, seq_len)
         if config == "fp8" and fp8_unavailable(self.device):
             return fp8_unavailable(self.device)
         if config in ("kernels", "fp8") and not get_kernel_status()["use_triton_kernels"]:
@@ -142,7 +146,7 @@ class Mfu(StudyDef):
                 "batch": B, "seq_len": S}
         rows, live = [], []
         for config in case.configs:
-            why = self.unavailable(config, cfg)
+            why = self.unavailable(config, cfg, S)
             if why is None:
                 live.append(config)
             else:
@@ -153,14 +157,15 @@ class Mfu(StudyDef):
         batch = (tokens[:, :-1], tokens[:, 1:])
         torch.manual_seed(sweep.seed)
         initial = copy.deepcopy(build_model(cfg).state_dict())  # every config from the same weights
-        trainers: dict[str, Trainer] = {}
+        trainers: dict[str, Trainer | titan.TitanStep] = {}
         compile_s: dict[str, tuple[float, int]] = {}
 
-        settings = {c: set(live[: live.index(c) + 1]) for c in live}  # an unavailable config adds nothing
+        ours = [c for c in live if c not in PEERS]  # an unavailable config adds nothing, nor does a peer
+        settings = {c: {c} if c in PEERS else set(ours[: ours.index(c) + 1]) for c in live}
 
         def step(config: str) -> Workload:
             if config not in trainers:
-                trainers[config] = self._trainer(cfg, settings[config], initial, sweep)
+                trainers[config] = self._trainer(cfg, settings[config], initial, sweep, S)
                 graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
                 self._step(trainers[config], settings[config], batch)  # the first step compiles
                 if self.device == "cuda":
@@ -193,7 +198,10 @@ class Mfu(StudyDef):
             torch.cuda.empty_cache()
         return rows
 
-    def _trainer(self, cfg: ModelConfig, on: set[str], initial: dict[str, Tensor], sweep: MfuSweep) -> Trainer:
+    def _trainer(self, cfg: ModelConfig, on: set[str], initial: dict[str, Tensor],
+                 sweep: MfuSweep, seq_len: int) -> Trainer | titan.TitanStep:
+        if "torchtitan" in on:
+            return titan.TitanStep(cfg, seq_len, self.device)
         model = build_model(cfg, device=self.device)
         model.load_state_dict(initial)
         if "fp8" in on:
@@ -204,7 +212,9 @@ class Mfu(StudyDef):
         return trainer
 
     @staticmethod
-    def _step(trainer: Trainer, on: set[str], batch: tuple[Tensor, Tensor]) -> dict:
+    def _step(trainer: Trainer | titan.TitanStep, on: set[str], batch: tuple[Tensor, Tensor]):
+        if isinstance(trainer, titan.TitanStep):
+            return trainer.step(batch)
         with triton_kernels("kernels" in on):
             return trainer.train_step(batch)
 
