@@ -139,7 +139,7 @@ def _peer_goals(target: str, case_id: str, model: str, hw: str, frame: pd.DataFr
         ours, theirs = (one if best == "plain" else pick.loc[best]), pick.loc[peer]
         value = ours["value"] / theirs["value"]
         low, high = ours["ci_low"] / theirs["ci_high"], ours["ci_high"] / theirs["ci_low"]
-        out.append(Verdict("G0-T1", claim, f">= {goal:g}x", f"{value:.3f} (CI {low:.3f}-{high:.3f}; {best})", hw,
+        out.append(Verdict("G0-T1", claim, f">= {goal:g}x", f"{value:.3f} (interval {low:.3f}-{high:.3f}; {best})", hw,
                            judge((low, high), (goal, None), higher_is_better=True),
                            f"{peer}'s step time over {best}'s (the zoo's fastest bf16 config), each through its "
                            "ratio to plain in the same rounds"))
