@@ -100,7 +100,9 @@ class TitanStep:
         positions = torch.arange(S, device=inputs.device).expand(B, S)  # one document a row
         with torch.autocast(self.device, dtype=torch.bfloat16):
             hidden = self.model(inputs, positions, self.model.get_attention_masks(positions))
-            loss, _ = self.loss(hidden, labels, torch.tensor(labels.numel(), device=labels.device))
+            # the tokens the loss is averaged over, made on the device (a host tensor copied each step would wait)
+            tokens = torch.full((), labels.numel(), dtype=torch.float32, device=labels.device)
+            loss, _ = self.loss(hidden, labels, tokens)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
         self.optimizer.step()
