@@ -123,7 +123,7 @@ def test_on_the_gpu_torchtitans_step_trains():
     step = titan.TitanStep(cfg, 64, "cuda")
     tokens = torch.randint(0, cfg.vocab_size, (2, 65), device="cuda")
     before = step.model.layers["0"].feed_forward.w1.weight.detach().clone()
-    losses = [float(step.step((tokens[:, :-1], tokens[:, 1:]))) for _ in range(3)]
+    losses = [float(step.train_step((tokens[:, :-1], tokens[:, 1:]))) for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]  # the same batch, learned
     assert not torch.equal(before, step.model.layers["0"].feed_forward.w1.weight)
     assert step.held_bytes() > 0

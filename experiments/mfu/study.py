@@ -213,8 +213,6 @@ class Mfu(StudyDef):
 
     @staticmethod
     def _step(trainer: Trainer | titan.TitanStep, on: set[str], batch: tuple[Tensor, Tensor]):
-        if isinstance(trainer, titan.TitanStep):
-            return trainer.step(batch)
         with triton_kernels("kernels" in on):
             return trainer.train_step(batch)
 

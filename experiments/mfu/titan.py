@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from adaattn.models.config import ModelConfig
+from adaattn.models.train import Trainer
 
 CHUNKS = 8  # ChunkedLossWrapper's default: the sequence in 8 pieces through the head and the loss
 
@@ -68,7 +69,7 @@ def model_config(cfg: ModelConfig, seq_len: int):
 
 
 class TitanStep:
-    """torchtitan's model, compiled per block, its chunked loss and AdamW; ``step(batch)`` one training step."""
+    """torchtitan's model, compiled per block, its chunked loss and AdamW; ``train_step(batch)`` one step."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, device: str, lr: float = 3e-4):
         from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -88,13 +89,10 @@ class TitanStep:
                                            fused=device == "cuda")
         self.device = device
 
-    def held_bytes(self) -> int:
-        """Weights and AdamW's state, held between steps."""
-        tensors = [*self.model.parameters(), *(t for s in self.optimizer.state.values() for t in s.values()
-                                               if isinstance(t, Tensor))]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    held_bytes = Trainer.held_bytes  # weights and AdamW's state: the trainer's count reads only these two
 
-    def step(self, batch: tuple[Tensor, Tensor]) -> float | Tensor:
+    def train_step(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        """One step, called as the zoo's ``Trainer.train_step`` is."""
         inputs, labels = batch
         B, S = inputs.shape
         positions = torch.arange(S, device=inputs.device).expand(B, S)  # one document a row
