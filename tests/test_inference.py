@@ -58,11 +58,18 @@ def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path)
     from adaattn_experiments.inference.report import render
 
     compile_ = torch.compile
-    modes = []
-    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **k: modes.append(mode) or compile_(fn, backend="eager"))
+    modes, graphs = [], []
+
+    def count(gm, example_inputs):  # the eager backend, each graph dynamo builds counted
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **k: modes.append(mode) or compile_(fn, backend=count))
     params = _params()
     rows = STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
     df = pd.DataFrame(rows)
+    # one graph a compiled decoder: the timed steps and generate's loop call it with tokens of the same layout
+    assert len(graphs) == len(modes)
     kernels = df[df.metric == "kernels_per_step"]
     assert (df.drop(kernels.index).status == "ok").all(), df[df.status != "ok"]
     assert (kernels.status == "unavailable").all() and kernels.reason.str.contains("a CPU launches none").all()

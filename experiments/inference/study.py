@@ -198,9 +198,10 @@ class Inference(StudyDef):
         cached = [c for c in configs if c != "no_cache"]
         for c in cached:
             setup_kv_cache(models[c], B, P + N, dtype=DTYPES[sweep.dtype])
-        # contiguous, as generate's sampled tokens are: a strided view would be another graph for torch.compile to
-        # build (its guards read strides), and the generate rows below would compile every decode step twice
-        token, pos = tokens[:, P:P + 1].contiguous(), torch.tensor([P], device=self.device)
+        # laid out as generate's sampled tokens are, strides (1, 1) (`contiguous()` keeps a one-row view's):
+        # torch.compile's guards read strides, so a view would have the generate rows compile each step twice
+        token = tokens[:, P:P + 1].clone(memory_format=torch.contiguous_format)
+        pos = torch.tensor([P], device=self.device)
         decoders = {c: self._decoder(c) for c in cached}
 
         def prefill_work(c: str) -> Workload:

@@ -1,8 +1,8 @@
 """The decode step of a dense decoder in few kernels (issue 66): what ``Transformer`` runs for one new token a
 sequence over its KV caches when the kernels can.
 
-A layer is five launches (``kernels.decode_proj``, ``kernels.decode_attention``): RMSNorm + q/k/v projection + RoPE
-+ the cache write; the split-K attention over the cache's filled positions (and its combine); the
+A layer is six launches (``kernels.decode_proj``, ``kernels.decode_attention``): RMSNorm + q/k/v projection + RoPE
++ the cache write; the split-K attention over the cache's filled positions, then its combine; the
 output projection added into the residual stream; RMSNorm + gate/up projection + SwiGLU; the down projection added
 into the residual stream. The residual stream is fp32 for the step (the projections add their K splits into it with
 atomics; the model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With
