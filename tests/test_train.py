@@ -70,10 +70,16 @@ def test_a_run_logs_curves_and_its_weights_load_back_to_the_same_validation_loss
     assert study.cases(params, params.targets["cpu"]) == []
     rows = study.extra_rows(params, params.targets["cpu"])
     df = pd.DataFrame([{"p20": None, "p80": None, **r, "target": "cpu", "hardware": "test cpu"} for r in rows])
+    # FP8's price is a GPU's: one row that says why, no bf16 twin trained for nothing
+    fp8 = df[df.precision == "fp8_rowwise"]
+    assert len(fp8) == 1 and fp8.status.item() == "unavailable" and "compute capability" in fp8.reason.item()
+    assert not (df.provider == "dense_small-bf16").any()
+    df = df.drop(fp8.index)
     assert (df.status == "ok").all(), df[df.status != "ok"]
     run = params.train.cpu
     for model in run.models:
-        mine = df[df.model == model]
+        mine = df[df.provider == model]
+        assert set(mine.precision.dropna()) == {"fp32"}
         assert list(mine[mine.metric == "train_loss"].step) == [2, 4, 6]
         assert list(mine[mine.metric == "val_loss"].step) == [3, 6]
         assert mine[mine.metric == "tokens_per_s"].value.item() > 0
@@ -86,8 +92,10 @@ def test_a_run_logs_curves_and_its_weights_load_back_to_the_same_validation_loss
         logged = mine[(mine.metric == "val_loss") & (mine.step == 6)].value.item()
         optimizer = torch.optim.AdamW(loaded.parameters())
         assert evaluate(Trainer(loaded, optimizer, dtype="fp32"), val) == pytest.approx(logged, rel=1e-5)
-    (section,) = render(df, tmp_path)
+    section, price = render(pd.concat([df, fp8]), tmp_path)
     assert all(m in section.markdown for m in run.models) and (tmp_path / "train_loss_cpu.png").exists()
+    (verdict,) = price.verdicts
+    assert verdict.verdict == "not measurable here" and "compute capability" in verdict.reason
     # MLflow: one run per model, each curve a metric's history over the steps
     runs = list(_child_runs(df[df.provider != "corpus"], study.config_columns))
     assert sorted(name.split(" · ")[0] for name, *_ in runs) == sorted(run.models)
@@ -96,10 +104,44 @@ def test_a_run_logs_curves_and_its_weights_load_back_to_the_same_validation_loss
     assert math.isfinite(metrics["eval.val_loss"][-1][0])
 
 
+def test_fp8s_price_trains_twins_from_the_same_weights_on_the_same_batches(tmp_path, monkeypatch):
+    """FP8's price reads the FP8 run against a bf16 twin that differs in nothing else: with the conversion an
+    identity (no FP8 GEMM on a CPU), the twins' losses are equal step for step, and the report's ratio is 1."""
+    from adaattn_experiments.train import study as train_study
+    from adaattn_experiments.train import report
+
+    converted = []
+    monkeypatch.setattr(train_study, "float8_unavailable", lambda device: None)
+    monkeypatch.setattr(train_study, "to_float8", lambda model, recipe: converted.append(recipe) or model)
+    params = _params({"models": ["dense_small"],
+                      "float8": {"models": ["dense_small"], **TOY, "steps": 4, "log_every": 2, "eval_every": 2}})
+    rows = train_study.Train("cpu", tmp_path / "weights").extra_rows(params, params.targets["cpu"])
+    df = pd.DataFrame([{"p20": None, "p80": None, **r, "target": "cpu", "hardware": "test cpu", "cuda": "13.0"}
+                       for r in rows])
+    assert converted == ["rowwise"] and (df.status == "ok").all()
+    twin, fp8 = (df[df.provider == p].set_index(["metric", "step"])["value"]
+                 for p in ("dense_small-bf16", "dense_small-fp8_rowwise"))
+    losses = [m for m in twin.index if m[0] in ("train_loss", "val_loss")]
+    assert len(losses) == 4 and all(twin[m] == fp8[m] for m in losses)
+    assert not (tmp_path / "weights" / "cpu" / "dense_small-bf16.pt").exists()  # the price keeps no weights
+    _, price = report.render(df, tmp_path)
+    (verdict,) = price.verdicts
+    assert verdict.verdict == "holds" and verdict.measured.startswith("1.0000") and "dense_small-fp8_rowwise" in price.markdown
+    # the band is params.yaml's, either way: 2% worse, or 2% better, is outside 1%
+    for factor, expected in ((1.02, "worse than claimed"), (0.98, "better than claimed")):
+        moved = df.copy()
+        moved.loc[moved.provider == "dense_small-fp8_rowwise", "value"] *= factor
+        assert report.render(moved, tmp_path)[1].verdicts[0].verdict == expected
+    monkeypatch.setattr(report, "goals", lambda: report.TrainGoals(fp8_val_loss=0.05))
+    assert report.render(moved, tmp_path)[1].verdicts[0].verdict == "holds"
+
+
 @pytest.mark.parametrize("update, message", [
     ({"warmup": 6}, "warmup=6 must be below steps=6"),
     ({"models": ["hydra_7b"]}, "train.cpu.models: 'hydra_7b' is not a preset of models"),
     ({"lr": 0}, "lr"),
+    ({"float8": {"models": ["dense_small"], **TOY, "recipe": "blockwise"}}, "recipe"),
+    ({"float8": {"models": ["hydra_7b"], **TOY}}, "train.cpu.float8.models: 'hydra_7b' is not a preset"),
 ])
 def test_bad_runs_name_the_key(update, message):
     with pytest.raises(ConfigError) as err:
@@ -117,3 +159,23 @@ def test_weights_stay_out_of_git_and_dvc(repo):
     ignored = subprocess.run(["git", "check-ignore", "-q", "models/weights/cpu/dense_small.pt"], cwd=repo)
     assert ignored.returncode == 0
 
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_float8_rowwise_trains_the_blocks_linears():
+    pytest.importorskip("torchao")
+    from adaattn.models.train import create_optimized_training_setup
+    from adaattn.models.transformer import build_model
+    from adaattn_experiments.common.float8 import float8_unavailable, to_float8
+
+    if float8_unavailable("cuda"):
+        pytest.skip(float8_unavailable("cuda"))
+    cfg = _params().models["dense_small"]
+    model = to_float8(build_model(cfg, device="cuda"), "rowwise")
+    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert any(k == "Float8Linear" for n, k in kinds.items() if n.startswith("blocks."))
+    assert all(k != "Float8Linear" for n, k in kinds.items() if not n.startswith("blocks."))  # the head stays
+    _, _, trainer = create_optimized_training_setup(model, compile_mode=None, dtype="bf16", device="cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (4, 129), device="cuda")
+    losses = [float(trainer.train_step((tokens[:, :-1], tokens[:, 1:]))["loss"]) for _ in range(4)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -19,6 +20,7 @@ from adaattn.models.config import ModelConfig
 from adaattn.models.card import flops_per_token, param_counts
 from adaattn.models.data import VOCAB, Corpus, batch
 from adaattn.models.train import Trainer, create_optimized_training_setup, save_checkpoint
+from adaattn.models.transformer import build_model
 from adaattn_experiments.common.schedule import TrainSchedule
 
 
@@ -31,21 +33,28 @@ def lr_factor(step: int, warmup: int, steps: int) -> float:
 
 
 def fit(name: str, preset: ModelConfig, run: TrainSchedule, corpus: Corpus, out: Path | None, device: str,
-        table_id: str = "train", after: Callable[[Trainer], list[dict]] | None = None) -> list[dict]:
+        table_id: str = "train", after: Callable[[Trainer], list[dict]] | None = None,
+        convert: Callable[[nn.Module], nn.Module] | None = None, precision: str | None = None,
+        label: str | None = None) -> list[dict]:
     """One model trained from fresh weights on ``run``'s schedule: its rows (losses, step times, tokens/s; the
     weights saved under ``out`` unless it is None). ``after`` (the trained model's trainer -> more rows) runs
-    before the model is let go (the memory-bank study evaluates its models there)."""
+    before the model is let go (the memory-bank study evaluates its models there). ``convert`` rewrites the fresh
+    model before its optimizer is built (torchao's float8 training); ``precision`` fills a ``precision`` column
+    where given; ``label`` (the preset's name by default) names the run in its rows and its weights' file."""
     B, S = run.batch, run.seq_len
-    base = {"table_id": table_id, "case_id": f"{table_id}/{name}-b{B}-s{S}", "kernel": "", "model": name,
-            "batch": B, "seq_len": S}
+    label = label or name
+    base = {"table_id": table_id, "case_id": f"{table_id}/{label}-b{B}-s{S}", "kernel": "", "model": name,
+            "batch": B, "seq_len": S, **({} if precision is None else {"precision": precision})}
     cfg = ModelConfig(**{**preset.model_dump(), "vocab_size": VOCAB})
     try:
-        torch.manual_seed(run.seed)
-        model, optimizer, trainer = create_optimized_training_setup(cfg, lr=run.lr, compile_mode=None,
-                                                                    dtype=run.dtype, device=device)
+        torch.manual_seed(run.seed)  # the same fresh weights for every run of a preset, converted or not
+        model = build_model(cfg, device=device)
+        model, optimizer, trainer = create_optimized_training_setup(model if convert is None else convert(model),
+                                                                    lr=run.lr, compile_mode=None, dtype=run.dtype,
+                                                                    device=device)
     except Exception as err:  # noqa: BLE001 - a model that cannot be built is a status row; the next one runs
         status, reason = classify_error(err)
-        return [{**base, "provider": name, "mode": "step", "metric": "train_loss", "value": None, "unit": "nats",
+        return [{**base, "provider": label, "mode": "step", "metric": "train_loss", "value": None, "unit": "nats",
                  "status": status, "reason": reason}]
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, run.warmup, run.steps))
     data = torch.Generator().manual_seed(run.seed)  # every model sees the same batches in the same order
@@ -53,7 +62,7 @@ def fit(name: str, preset: ModelConfig, run: TrainSchedule, corpus: Corpus, out:
     val = [batch(corpus.val, B, S, held) for _ in range(run.eval_batches)]
     counts = param_counts(model)
     flops = flops_per_token(cfg, counts, S)["train"] * B * S
-    row = {**base, "provider": name, "status": "ok"}
+    row = {**base, "provider": label, "status": "ok"}
     rows = [{**row, "mode": "step", "metric": "params_m", "value": counts["total"] / 1e6, "unit": "M parameters",
              "reason": f"at the byte vocabulary ({VOCAB})"},
             {**row, "mode": "step", "metric": "model_flops", "value": flops, "unit": "FLOP",
@@ -63,7 +72,7 @@ def fit(name: str, preset: ModelConfig, run: TrainSchedule, corpus: Corpus, out:
     console = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[status]}"), console=console, transient=False) as bar:
-        task = bar.add_task(f"train {name}", total=run.steps, status="")
+        task = bar.add_task(f"train {label}", total=run.steps, status="")
         sync()
         start, elapsed, first = time.perf_counter(), 0.0, True
         for step in range(1, run.steps + 1):
@@ -101,7 +110,7 @@ def fit(name: str, preset: ModelConfig, run: TrainSchedule, corpus: Corpus, out:
     if after is not None:
         rows += after(trainer)
     if out is not None:
-        path = out / f"{name}.pt"
+        path = out / f"{label}.pt"
         save_checkpoint(path, model, step=run.steps, vocab=VOCAB)
         rows.append({**row, "mode": "step", "step": run.steps, "metric": "weights_mb",
                      "value": path.stat().st_size / 2**20, "unit": "MiB", "reason": f"{path.as_posix()}"})

@@ -9,7 +9,7 @@ import pandas as pd
 from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, judge, knobs, md_table, prose,
                                             rendered_params)
 from adaattn_experiments.common.paired import paired_frame, ratio_text
-from adaattn_experiments.mfu.schema import PEERS, MfuGoals
+from adaattn_experiments.mfu.schema import FP8_CONFIGS, PEERS, MfuGoals
 
 GB = 2**20 / 1e9  # MiB -> GB
 
@@ -31,7 +31,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         for _, row in step.iterrows():
             config, ms = row["provider"], row["value"] if row["status"] == "ok" else None
             # like with like: each config against the GEMM rate of its own precision, measured in this run
-            basis = "fp8" if config == "fp8" else "bf16"
+            basis = "fp8" if config in FP8_CONFIGS else "bf16"
             rate = rates[basis].get(target)
             mfu = flops / (ms / 1e3) / (rate * 1e12) if ms and flops and rate else None
             r = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id) & (ratios["vs"] == config)]
@@ -54,8 +54,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                           "note": "" if ms else f"{row['status']}: {row['reason']}"})
         verdicts += _goals(target, case_id, model, hw, fastest and fastest[0], bf16_best, rates["bf16"].get(target),
                            ratios, target in cpus)
-        verdicts += _peer_goals(target, case_id, model, hw, frame, bf16_fastest and bf16_fastest[0], ratios,
-                                target in cpus)
+        verdicts += _issue67_goals(target, case_id, model, hw, frame, bf16_fastest and bf16_fastest[0], bf16_best,
+                                   rates["bf16"].get(target), ratios, target in cpus)
     md = prose(__file__, "g0_t1", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G0-T1", "MFU goals (training step, compiled, by config)", md, verdicts), _g0_c2(runs)]
 
@@ -79,21 +79,27 @@ def _g0_c2(runs: pd.DataFrame) -> Section:
     return Section("G0-C2", "The API (optimize_model, create_optimized_training_setup, train_step)", md, verdicts)
 
 
+def _mfu_goal(goal: float | None, source: str, model: str, hw: str, bf16: tuple[str, float] | None,
+              rate: float | None, cpu: bool) -> list[Verdict]:
+    """A preset's MFU goal, a bf16 goal: its best bf16 config against the bf16 GEMM rate of the same run."""
+    if goal is None:
+        return []
+    claim = f"{model}: at least {goal:.0%} MFU against the measured bf16 GEMM rate (bf16 configs){source}"
+    if cpu:
+        return [Verdict("G0-T1", claim, f">= {goal:.0%}", "-", hw, "not measurable here",
+                        "a GPU goal (bf16 tensor cores)")]
+    if bf16 is None:
+        return []
+    return [Verdict("G0-T1", claim, f">= {goal:.0%}", f"{bf16[1]:.1%} ({bf16[0]})", hw,
+                    judge((bf16[1], bf16[1]), (goal, None), higher_is_better=True),
+                    f"the best bf16 config, {bf16[0]}, of one run; GEMM rate {rate:.0f} TFLOP/s")]
+
+
 def _goals(target: str, case_id: str, model: str, hw: str, fastest: str | None, bf16: tuple[str, float] | None,
            rate: float | None, ratios: pd.DataFrame, cpu: bool) -> list[Verdict]:
     """The preset's MFU goal, a bf16 goal, on its best bf16 config against the bf16 GEMM rate (an FP8 config is
     not counted against the bf16 rate); its speedup goal on the fastest config's ratio to plain."""
-    out = []
-    goal = knobs().mfu_goals.get(model)
-    if goal is not None:
-        claim = f"{model}: at least {goal:.0%} MFU against the measured bf16 GEMM rate (bf16 configs)"
-        if cpu:
-            out.append(Verdict("G0-T1", claim, f">= {goal:.0%}", "-", hw, "not measurable here",
-                               "a GPU goal (bf16 tensor cores)"))
-        elif bf16 is not None:
-            out.append(Verdict("G0-T1", claim, f">= {goal:.0%}", f"{bf16[1]:.1%} ({bf16[0]})", hw,
-                               judge((bf16[1], bf16[1]), (goal, None), higher_is_better=True),
-                               f"the best bf16 config, {bf16[0]}, of one run; GEMM rate {rate:.0f} TFLOP/s"))
+    out = _mfu_goal(knobs().mfu_goals.get(model), "", model, hw, bf16, rate, cpu)
     speedup = knobs().mfu_speedup.get(model)
     if speedup is not None:
         claim = f"{model}: the zoo's best config at least {speedup:g}x plain compiled PyTorch's tokens/s"
@@ -118,29 +124,40 @@ def peer_goals() -> MfuGoals:
     return params.mfu.goals if params is not None and params.mfu is not None else MfuGoals()
 
 
-def _peer_goals(target: str, case_id: str, model: str, hw: str, frame: pd.DataFrame, best: str | None,
-                ratios: pd.DataFrame, cpu: bool) -> list[Verdict]:
-    """The zoo's fastest bf16 config against each peer timed in the case, as ``mfu.goals`` reads it: the peer's
-    step time over that config's, from both paired ratios to plain in the same rounds."""
-    goal, out = peer_goals().peer_speedup.get(model), []
+def _issue67_goals(target: str, case_id: str, model: str, hw: str, frame: pd.DataFrame, best: str | None,
+                   bf16: tuple[str, float] | None, rate: float | None, ratios: pd.DataFrame,
+                   cpu: bool) -> list[Verdict]:
+    """Issue 67's goals as ``mfu.goals`` reads them: the best bf16 config's MFU; the zoo's fastest bf16 config
+    (``best``) against each peer timed in the case; ``fp8_rowwise`` against that config."""
+    goals = peer_goals()
+    out = _mfu_goal(goals.mfu.get(model), " (issue 67)", model, hw, bf16, rate, cpu)
     steps = frame[frame["metric"] == "side_by_side_ms"]
-    for peer in [p for p in PEERS if p in set(steps["provider"])] if goal is not None else []:
-        claim = f"{model}: the zoo's fastest bf16 config at least {goal:g}x {peer}'s tokens/s (issue 67)"
-        row = steps[steps["provider"] == peer].iloc[0]
-        pick = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id)].set_index("vs")
-        if cpu or row["status"] != "ok" or best is None or peer not in pick.index or \
-                (best != "plain" and best not in pick.index):
-            why = "a GPU goal" if cpu else f"{peer}: {row['status']}: {row['reason']}" if row["status"] != "ok" \
-                else "no paired ratio of both to plain in this run"
-            out.append(Verdict("G0-T1", claim, f">= {goal:g}x", "-", hw,
-                               "not measurable here" if cpu else "not measured yet", why))
-            continue
-        one = {"value": 1.0, "ci_low": 1.0, "ci_high": 1.0}  # plain against itself
-        ours, theirs = (one if best == "plain" else pick.loc[best]), pick.loc[peer]
-        value = ours["value"] / theirs["value"]
-        low, high = ours["ci_low"] / theirs["ci_high"], ours["ci_high"] / theirs["ci_low"]
-        out.append(Verdict("G0-T1", claim, f">= {goal:g}x", f"{value:.3f} (interval {low:.3f}-{high:.3f}; {best})", hw,
-                           judge((low, high), (goal, None), higher_is_better=True),
-                           f"{peer}'s step time over {best}'s (the zoo's fastest bf16 config), each through its "
-                           "ratio to plain in the same rounds"))
+    for peer in [p for p in PEERS if p in set(steps["provider"])] if model in goals.peer_speedup else []:
+        out.append(_speedup(f"{model}: the zoo's fastest bf16 config at least {goals.peer_speedup[model]:g}x "
+                            f"{peer}'s tokens/s (issue 67)", goals.peer_speedup[model], best, peer, target,
+                            case_id, hw, steps, ratios, cpu))
+    if model in goals.fp8_speedup and "fp8_rowwise" in set(steps["provider"]):
+        out.append(_speedup(f"{model}: FP8 training (rowwise) at least {goals.fp8_speedup[model]:g}x the zoo's "
+                            "fastest bf16 config's tokens/s (issue 67)", goals.fp8_speedup[model], "fp8_rowwise",
+                            best, target, case_id, hw, steps, ratios, cpu))
     return out
+
+
+def _speedup(claim: str, goal: float, fast: str | None, slow: str | None, target: str, case_id: str, hw: str,
+             steps: pd.DataFrame, ratios: pd.DataFrame, cpu: bool) -> Verdict:
+    """``fast``'s tokens/s over ``slow``'s (``slow``'s step time over ``fast``'s), each through its paired ratio
+    to plain in the same rounds; the interval the quotient of the two intervals at their far ends."""
+    pick = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id)].set_index("vs")
+    status = steps.set_index("provider")[["status", "reason"]]
+    broken = [c for c in (fast, slow) if c in status.index and status.loc[c, "status"] != "ok"]
+    if cpu or broken or fast is None or slow is None or any(c != "plain" and c not in pick.index for c in (fast, slow)):
+        why = "a GPU goal" if cpu else "; ".join(f"{c}: {status.loc[c, 'status']}: {status.loc[c, 'reason']}"
+                                                for c in broken) or "no paired ratio of both to plain in this run"
+        return Verdict("G0-T1", claim, f">= {goal:g}x", "-", hw, "not measurable here" if cpu else "not measured yet",
+                       why)
+    one = {"value": 1.0, "ci_low": 1.0, "ci_high": 1.0}  # plain against itself
+    a, b = (one if fast == "plain" else pick.loc[fast]), (one if slow == "plain" else pick.loc[slow])
+    value, low, high = a["value"] / b["value"], a["ci_low"] / b["ci_high"], a["ci_high"] / b["ci_low"]
+    return Verdict("G0-T1", claim, f">= {goal:g}x", f"{value:.3f} (interval {low:.3f}-{high:.3f}; {fast} over {slow})",
+                   hw, judge((low, high), (goal, None), higher_is_better=True),
+                   f"{slow}'s step time over {fast}'s, each through its ratio to plain in the same rounds")

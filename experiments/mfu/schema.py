@@ -9,7 +9,8 @@ from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 from adaattn_pipeline.config import ByProfile, Rounds, check_preset
 from adaattn_pipeline.config import Section as _Section
 
-MFU_CONFIGS = ("plain", "kernels", "loss", "fp8", "torchtitan")
+MFU_CONFIGS = ("plain", "kernels", "loss", "fp8", "fp8_rowwise", "torchtitan")
+FP8_CONFIGS = ("fp8", "fp8_rowwise")  # counted against the FP8 GEMM rate, never the bf16 one
 PEERS = ("torchtitan",)  # another library's step at the same shape: timed beside ours, adds no setting to ours
 
 
@@ -33,9 +34,9 @@ class MfuCase(_Section):
 class MfuSweep(_Section):
     """The MFU goals: each case's training step (``Trainer.train_step``) in each config, side by side: ``plain``
     (compiled PyTorch: SDPA, bf16 autocast, TF32, fused AdamW, PyTorch's norm and activation ops for inductor to
-    fuse, the loss eager), ``kernels`` (our Triton kernels), ``loss`` (the loss compiled too) and ``fp8``
-    (torchao's float8 training on the blocks' linears), each config adding its setting to those listed before
-    it; ``torchtitan``: torchtitan's llama3 step at the same shape (``titan.py``). Each case's models are
+    fuse, the loss eager), ``kernels`` (our Triton kernels), ``loss`` (the loss compiled too), ``fp8``
+    (torchao's float8 training on the blocks' linears, tensorwise) and ``fp8_rowwise`` (its rowwise recipe), each
+    config adding its setting to those listed before it; ``torchtitan``: torchtitan's llama3 step at the same shape (``titan.py``). Each case's models are
     resident together: their weights and AdamW state must fit."""
 
     cases: Annotated[list[MfuCase], Field(min_length=1)]
@@ -47,13 +48,22 @@ class MfuSweep(_Section):
 
 
 class MfuGoals(_Section):
-    """Issue 67's goal against the peer, filed 2026-11-28 before its first run and read by the report alone
-    (outside the results' params hash): per preset, the zoo's fastest bf16 config (plain, kernels or loss: not
-    fp8, since the peer trains in bf16) at least ``peer_speedup`` x torchtitan's tokens/s. Read from the rounds'
-    paired ratios to plain, torchtitan's over that config's; its interval the quotient of the two ratios'
-    intervals taken at their far ends (wider than a ratio paired directly: no verdict it cannot carry)."""
+    """Issue 67's goals, read by the report alone (outside the results' params hash), per preset:
+
+    - ``peer_speedup`` (filed 2026-11-28 before its first run): the zoo's fastest bf16 config (plain, kernels or
+      loss: not an FP8 one, since the peer trains in bf16) at least this x torchtitan's tokens/s;
+    - ``fp8_speedup`` (filed 2026-11-28 before the first run of ``fp8_rowwise``): ``fp8_rowwise``, the recipe the
+      train study prices in validation loss, at least this x the zoo's fastest bf16 config's tokens/s;
+    - ``mfu`` (filed 2026-11-28): the best bf16 config's MFU against the bf16 GEMM rate measured in the same run,
+      as ``verdicts.mfu_goals`` reads its own (an earlier goal's) figure.
+
+    A speedup of two configs is read from the rounds' paired ratios to plain, one over the other; its interval the
+    quotient of the two ratios' intervals taken at their far ends (wider than a ratio paired directly: no verdict
+    it cannot carry)."""
 
     peer_speedup: dict[str, Annotated[float, Field(gt=0)]] = {"llama_1b": 1.05}
+    fp8_speedup: dict[str, Annotated[float, Field(gt=0)]] = {"llama_1b": 1.25}
+    mfu: dict[str, Annotated[float, Field(gt=0, le=1)]] = {"llama_1b": 0.62}
 
 
 class MfuSection(ByProfile):

@@ -9,13 +9,15 @@ every config listed before it:
 - ``kernels``: our Triton kernels (RMSNorm, SwiGLU, rotary) as custom ops in the compiled graph;
 - ``loss``: the loss compiled too (the fp32 cast and cross-entropy fused over the logits);
 - ``fp8``: torchao's float8 training (tensorwise scales) on the blocks' linears; the LM head stays bf16;
+- ``fp8_rowwise``: the same with torchao's rowwise recipe (a scale a row: issue 67's FP8, the one the train study
+  prices in validation loss);
 - ``torchtitan``: the peer, torchtitan's llama3 step at the same shape (``titan.py``), adding nothing to ours.
 
 The blocks are compiled one at a time (``compile_scope``: every layer shares the one graph) and dynamo is told
 to fail rather than fall back to eager past its recompile limit, so a config is compiled or is an error row; each
 config's first step counts the graphs it compiled (our kernels' switch is a guard: a config with them on
 compiles its own). MFU: the card's model FLOPs per step over the step time, against the GEMM rate of the config's
-precision measured in the same run (bf16 at its start; FP8 before the first case, for the fp8 config); each
+precision measured in the same run (bf16 at its start; FP8, tensorwise, before the first case, for the fp8 configs); each
 config's first step (its compile) in seconds; each step's peak memory.
 """
 
@@ -38,8 +40,9 @@ from adaattn.timing.timers import make_timer
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
+from adaattn_experiments.common.float8 import float8_unavailable, to_float8
 from adaattn_experiments.mfu import titan
-from adaattn_experiments.mfu.schema import PEERS, MfuCase, MfuSweep
+from adaattn_experiments.mfu.schema import FP8_CONFIGS, PEERS, MfuCase, MfuSweep
 from adaattn.kernels import set_use_triton_kernels
 from adaattn.kernels import runtime
 from adaattn.kernels.runtime import get_kernel_status
@@ -66,29 +69,6 @@ def covered(cfg: ModelConfig) -> bool:
     return cfg.norm == "rmsnorm" or cfg.mlp == "swiglu" or cfg.positions != "learned"
 
 
-def fp8_unavailable(device: str) -> str | None:
-    if device != "cuda":
-        return "float8 GEMMs need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper)"
-    if torch.cuda.get_device_capability() < (8, 9):
-        return f"float8 GEMMs need compute capability 8.9 or newer; this GPU is {torch.cuda.get_device_capability()}"
-    try:
-        import torchao.float8  # noqa: F401
-    except Exception as err:  # noqa: BLE001 - the import error is the reason
-        return f"torchao.float8 not importable: {type(err).__name__}: {err}"[:300]
-    return None
-
-
-def to_float8(model: nn.Module) -> nn.Module:
-    """The blocks' linears as torchao Float8Linear (tensorwise scales); the LM head and any linear whose sides
-    are not multiples of 16 (an FP8 GEMM's) stay as they are."""
-    from torchao.float8 import convert_to_float8_training
-
-    def blocks_only(mod: nn.Module, fqn: str) -> bool:
-        return fqn.startswith("blocks.") and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
-
-    return convert_to_float8_training(model, module_filter_fn=blocks_only)
-
-
 class Mfu(StudyDef):
     name = "mfu"
     table_ids = ("G0-T1", "G0-C2")
@@ -110,9 +90,9 @@ class Mfu(StudyDef):
     def unavailable(self, config: str, cfg: ModelConfig, seq_len: int) -> str | None:
         if config == "torchtitan":
             return titan.why_not(self.device, cfg, seq_len)
-        if config == "fp8" and fp8_unavailable(self.device):
-            return fp8_unavailable(self.device)
-        if config in ("kernels", "fp8") and not get_kernel_status()["use_triton_kernels"]:
+        if config in FP8_CONFIGS and float8_unavailable(self.device):
+            return float8_unavailable(self.device)
+        if config in ("kernels", *FP8_CONFIGS) and not get_kernel_status()["use_triton_kernels"]:
             return f"our Triton kernels do not run here: {get_kernel_status()['reason']}"
         if config == "kernels" and not covered(cfg):
             return "the preset runs no op our kernels cover (its norm, MLP and positions are PyTorch's)"
@@ -121,7 +101,8 @@ class Mfu(StudyDef):
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
         sweep: MfuSweep = getattr(params.mfu, target.profile)
         rows: list[dict] = []
-        if any("fp8" in case.configs for case in sweep.cases) and fp8_unavailable(self.device) is None:
+        fp8 = any(set(FP8_CONFIGS) & set(case.configs) for case in sweep.cases)
+        if fp8 and float8_unavailable(self.device) is None:
             # an fp8 config's MFU is counted against the FP8 GEMM rate of this run, not the bf16 one
             row = {"table_id": "", "case_id": "machine", "provider": "machine", "mode": "", "metric": "fp8_gemm_tflops",
                    "unit": "TFLOP/s", "kernel": "fp8 e4m3 GEMM 8192^3 (torch._scaled_mm, tensorwise scales, bf16 out)"}
@@ -201,11 +182,13 @@ class Mfu(StudyDef):
     def _trainer(self, cfg: ModelConfig, on: set[str], initial: dict[str, Tensor],
                  sweep: MfuSweep, seq_len: int) -> Trainer | titan.TitanStep:
         if "torchtitan" in on:
-            return titan.TitanStep(cfg, seq_len, self.device)
+            return titan.TitanStep(cfg, seq_len, self.device, sweep.dtype)
         model = build_model(cfg, device=self.device)
         model.load_state_dict(initial)
-        if "fp8" in on:
-            model = to_float8(model)
+        if "fp8_rowwise" in on:  # the rowwise recipe in place of the tensorwise one listed before it
+            model = to_float8(model, "rowwise")
+        elif "fp8" in on:
+            model = to_float8(model, "tensorwise")
         _, _, trainer = create_optimized_training_setup(
             model, compile_mode=sweep.compile_mode, compile_scope=sweep.compile_scope, dtype=sweep.dtype,
             device=self.device, tf32=True, compile_loss="loss" in on)

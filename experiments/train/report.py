@@ -8,20 +8,26 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
-from adaattn_pipeline.report.common import Section, figure_link, fmt, md_table, prose
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, figure_link, fmt, judge, md_table, prose,
+                                            rendered_params)
+from adaattn_experiments.train.schema import TrainGoals
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
     runs = df[(df["case_id"] != "machine") & (df["provider"] != "corpus")]
+    if "precision" not in runs:  # results written before the column
+        runs = runs.assign(precision=None)
     ok = runs[runs["status"] == "ok"]
     gemm = df[(df["case_id"] == "machine") & (df["metric"] == "gemm_tflops")].set_index("target")["value"]
     corpus = df[df["metric"] == "corpus_bytes"].drop_duplicates("target").set_index("target")["reason"]
-    table = []
-    for (target, model), frame in runs.groupby(["target", "model"], sort=False):
-        mine = ok[(ok["target"] == target) & (ok["model"] == model)]
+    table, finals = [], {}  # finals: (target, run) -> (final validation loss, its step)
+    for (target, run), frame in runs.groupby(["target", "provider"], sort=False):
+        model = frame["model"].iloc[0]
+        mine = ok[(ok["target"] == target) & (ok["provider"] == run)]
         if mine.empty:
             bad = frame.iloc[0]
-            table.append({"target": target, "model": model, "status": f"{bad['status']}: {bad['reason']}"[:100]})
+            table.append({"target": target, "run": run, "model": model,
+                          "status": f"{bad['status']}: {bad['reason']}"[:100]})
             continue
 
         def last(metric: str) -> float | None:
@@ -32,7 +38,10 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         tokens = float(mine["batch"].iloc[0] * mine["seq_len"].iloc[0])
         mfu = flops / (tokens / tokens_s) / (gemm[target] * 1e12) if tokens_s and flops and target in gemm else None
         val = last("val_loss")
-        table.append({"target": target, "model": model, "params (M)": fmt(last("params_m")),
+        if val is not None:
+            finals[target, run] = val, int(mine[mine["metric"] == "val_loss"]["step"].max())
+        table.append({"target": target, "run": run, "model": model, "precision": frame["precision"].iloc[0],
+                      "params (M)": fmt(last("params_m")),
                       "steps": int(mine["step"].max()), "train loss (last rows)": fmt(last("train_loss")),
                       "validation loss": fmt(val), "bits / byte": fmt(val / math.log(2) if val else None),
                       "tokens/s": fmt(tokens_s), "MFU (measured GEMM)": fmt(mfu),
@@ -41,14 +50,51 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                  corpus="; ".join(f"{t}: {c}" for t, c in corpus.items()),
                  table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("train", "HYDRA against a dense model of equal parameters (trained on real text)",
-                    text + _curves(ok, out_dir))]
+                    text + _curves(ok, out_dir)), _float8(runs, finals, cpu_targets(df))]
+
+
+def goals() -> TrainGoals:
+    """The train study's goals as filed in params.yaml (``train.goals``; its defaults outside a render)."""
+    params = rendered_params()
+    return params.train.goals if params is not None and params.train is not None else TrainGoals()
+
+
+def _float8(runs: pd.DataFrame, finals: dict, cpus: set[str]) -> Section:
+    """Issue 67's FP8 price: each FP8 run's final validation loss over its bf16 twin's (same preset, weights,
+    batches and steps), against ``train.goals.fp8_val_loss`` either way."""
+    tol, table, verdicts = goals().fp8_val_loss, [], []
+    fp8 = runs[runs["precision"].fillna("").astype(str).str.startswith("fp8")]
+    for (target, run), frame in fp8.groupby(["target", "provider"], sort=False):
+        model, precision, hw = frame["model"].iloc[0], frame["precision"].iloc[0], frame["hardware"].iloc[0]
+        twin = f"{model}-bf16"
+        claim = (f"{model}: FP8 training ({precision.removeprefix('fp8_')}) ends within {tol:.0%} of bf16's "
+                 "validation loss after the same tokens (issue 67)")
+        band = f"{1 - tol:.2f}-{1 + tol:.2f}x"
+        ours, theirs = finals.get((target, run)), finals.get((target, twin))
+        if ours is None or theirs is None or ours[1] != theirs[1]:
+            bad = frame[frame["status"] != "ok"]
+            why = f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}" if len(bad) else \
+                "no final validation loss of both runs at the same step"
+            verdicts.append(Verdict("G0-T1", claim, band, "-", hw,
+                                    "not measurable here" if target in cpus else "not measured yet", why))
+            table.append({"target": target, "model": model, "FP8 run": run, "note": why[:100]})
+            continue
+        ratio = ours[0] / theirs[0]
+        verdicts.append(Verdict("G0-T1", claim, band, f"{ratio:.4f} ({ours[0]:.4f} / {theirs[0]:.4f} nats)", hw,
+                                judge((ratio, ratio), (1 - tol, 1 + tol), higher_is_better=False),
+                                f"one run each, step {ours[1]}, the held-out windows of the run"))
+        table.append({"target": target, "model": model, "FP8 run": run, "steps": ours[1],
+                      "bf16 validation loss": fmt(theirs[0]), "FP8 validation loss": fmt(ours[0]),
+                      "FP8 / bf16": f"{ratio:.4f}", "note": ""})
+    md = prose(__file__, "float8", table=md_table(pd.DataFrame(table)) if table else "no FP8 runs")
+    return Section("G0-T1", "FP8 training's price in validation loss (issue 67)", md, verdicts)
 
 
 def _curves(ok: pd.DataFrame, out_dir: Path) -> str:
     curves = ok[ok["metric"].isin(["train_loss", "val_loss"])].dropna(subset=["step"])
     parts = []
     for target, frame in curves.groupby("target", sort=False):
-        grid = sns.relplot(data=frame, x="step", y="value", hue="model", style="metric", kind="line", markers=True,
+        grid = sns.relplot(data=frame, x="step", y="value", hue="provider", style="metric", kind="line", markers=True,
                            height=3.5, aspect=1.6)
         grid.set_axis_labels("step", "loss (nats per byte)")
         grid.figure.suptitle(f"train: loss curves on {frame['hardware'].iloc[0]} ({target})", y=1.03)

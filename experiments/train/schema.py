@@ -1,4 +1,4 @@
-"""The train study's section: each preset trained from fresh weights on the schedule."""
+"""The train study's section: each preset trained from fresh weights on the schedule; FP8 training's price."""
 
 from __future__ import annotations
 
@@ -6,18 +6,40 @@ from typing import Annotated
 
 from pydantic import Field
 
+from adaattn_experiments.common.float8 import Recipe
 from adaattn_experiments.common.schedule import TrainSchedule
 from adaattn_pipeline.config import ByProfile, check_preset
+from adaattn_pipeline.config import Section as _Section
 
-class TrainRun(TrainSchedule):
-    """The train stage: each of ``models`` trained from fresh weights on the schedule."""
+
+class Float8Price(TrainSchedule):
+    """Issue 67's price of FP8 training: each of ``models`` trained twice on this schedule, from the same fresh
+    weights on the same batches, in bf16 and with torchao's float8 training (``recipe``) on its blocks' linears;
+    the validation loss curves side by side (a GPU's: FP8 GEMMs need compute capability 8.9)."""
 
     models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
+    recipe: Recipe = "rowwise"
+
+
+class TrainRun(TrainSchedule):
+    """The train stage: each of ``models`` trained from fresh weights on the schedule; ``float8``, FP8's price."""
+
+    models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
+    float8: Float8Price | None = None
+
+
+class TrainGoals(_Section):
+    """Issue 67's FP8 loss goal, filed 2026-11-28 before any run of it and read by the report alone (outside the
+    results' params hash): after the same tokens, the FP8 run's final validation loss within ``fp8_val_loss``
+    (a fraction) of its bf16 twin's, either way (FP8 lower by more reads better than claimed)."""
+
+    fp8_val_loss: float = Field(0.01, gt=0)
 
 
 class TrainSection(ByProfile):
     cpu: TrainRun | None = None
     gpu: TrainRun | None = None
+    goals: TrainGoals = TrainGoals()
 
 
 SECTIONS = {"train": TrainSection}
@@ -28,3 +50,5 @@ def check(params) -> None:
         run = getattr(params.train, profile, None) if params.train else None
         for name in run.models if run else ():
             check_preset(params, f"train.{profile}", name, run.seq_len)
+        for name in run.float8.models if run and run.float8 else ():
+            check_preset(params, f"train.{profile}.float8", name, run.float8.seq_len)

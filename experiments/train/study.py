@@ -7,20 +7,25 @@ dtype; eager), a linear warm-up then a cosine to a tenth of ``lr`` (``common.fit
 training loss every ``log_every`` steps (its mean over them) and the time per step over them (``step`` column:
 the curve, which MLflow logs as each metric's history); the validation loss every ``eval_every`` steps and at
 the end, in eval mode (HYDRA routes causally there: a token by its router's score, not by a top-k over the
-sequence); tokens/s over the steps after the first interval; the model's FLOPs per step. The weights are saved
+sequence); tokens/s over the steps after the first interval; the model's FLOPs per step. ``float8`` (issue 67):
+its presets trained twice more on its own schedule, in bf16 and under torchao's float8 training, from the same
+weights on the same batches, so that FP8's price is a validation loss read beside its twin's (a row that says why
+where FP8 GEMMs cannot run); a ``precision`` column names each run's. The weights are saved
 on the machine that trained them, ``models/weights/<target>/<model>.pt`` (``models.train.load_model``; outside
 git and DVC: the results are what the pipeline keeps, and a fresh clone has no weights to miss).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from adaattn.models.data import load_corpus
+from adaattn.models.data import Corpus, load_corpus
 from adaattn_experiments.common.fit import fit
-from adaattn_experiments.train.schema import TrainRun
+from adaattn_experiments.common.float8 import float8_unavailable, to_float8
+from adaattn_experiments.train.schema import Float8Price, TrainRun
 from adaattn_pipeline.bench.harness import Case
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.config import Params, Target
@@ -31,7 +36,7 @@ WEIGHTS = Path("models/weights")
 class Train(StudyDef):
     name = "train"
     table_ids = ("train",)
-    config_columns = ["model", "batch", "seq_len", "step"]
+    config_columns = ["model", "precision", "batch", "seq_len", "step"]
     sections = ("train",)
 
     def __init__(self, device: str = "cpu", weights_root: Path = WEIGHTS):
@@ -41,7 +46,8 @@ class Train(StudyDef):
         return Train(device, self.weights_root)
 
     def presets(self, raw: dict, section: str, profile: str) -> list[str]:
-        return list(raw[section][profile]["models"])
+        run = raw[section][profile]
+        return list(dict.fromkeys([*run["models"], *((run.get("float8") or {}).get("models") or [])]))
 
     def cases(self, params: Params, target: Target) -> list[Case]:
         return []  # the unit is a training run: extra_rows runs it
@@ -55,10 +61,34 @@ class Train(StudyDef):
                  "corpus_bytes", "value": corpus.info["train_bytes"] + corpus.info["val_bytes"], "unit": "bytes",
                  "status": "ok", "reason": info, "kernel": ""}]
         for model in run.models:
-            rows += fit(model, params.models[model], run, corpus, self.weights_root / name, self.device)
-            if self.device == "cuda":
-                torch.cuda.empty_cache()
+            rows += fit(model, params.models[model], run, corpus, self.weights_root / name, self.device,
+                        precision=run.dtype)
+            self._release()
+        if run.float8 is not None:
+            rows += self._float8_rows(params, run.float8, corpus)
         return rows
+
+    def _float8_rows(self, params: Params, price: Float8Price, corpus: Corpus) -> list[dict]:
+        """Each preset's bf16 and FP8 runs on ``price``'s schedule (weights not kept: the price is the result)."""
+        fp8, rows = f"fp8_{price.recipe}", []
+        why = float8_unavailable(self.device)
+        for model in price.models:
+            if why is not None:
+                B, S = price.batch, price.seq_len
+                rows.append({"table_id": "train", "case_id": f"train/{model}-{fp8}-b{B}-s{S}", "kernel": "",
+                             "model": model, "precision": fp8, "batch": B, "seq_len": S,
+                             "provider": f"{model}-{fp8}", "mode": "eval", "metric": "val_loss", "value": None,
+                             "unit": "nats", "status": "unavailable", "reason": why})
+                continue
+            for precision, convert in (("bf16", None), (fp8, functools.partial(to_float8, recipe=price.recipe))):
+                rows += fit(model, params.models[model], price, corpus, None, self.device, convert=convert,
+                            precision=precision, label=f"{model}-{precision}")
+                self._release()
+        return rows
+
+    def _release(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 STUDY = Train()
