@@ -85,6 +85,29 @@ def test_the_committed_pipeline_is_up_to_date(copy):
     assert _status(copy) == {}, "run `dvc repro` (and `dvc commit` the GPU stages measured on their machine)"
 
 
+def test_every_cpu_result_was_measured_by_todays_code_and_params(in_repo):
+    """`dvc status` trusts dvc.lock, and `dvc commit` rewrites dvc.lock without measuring: a CPU result committed
+    that way after a code change would look fresh to DVC while its report marks it stale. A CPU target can always
+    be measured again here (`dvc repro -f <study>@cpu`), so none may be stale by the report's own rule."""
+    import pandas as pd
+
+    from adaattn_pipeline.config import validate
+    from adaattn_pipeline.report.render import staleness
+
+    raw = load_raw(REPO / "params.yaml")
+    params = validate(raw)
+    stale = {}
+    for name, study in registry.studies().items():
+        for target, profile in raw["study_targets"].get(name, {}).items():
+            path = REPO / "results" / name / f"{target}.csv"
+            if params.targets[target].device != "cpu" or not path.exists():
+                continue
+            why = staleness(study, params, raw, pd.read_csv(path)).get(target)
+            if why:
+                stale[f"{name}@{target}"] = why
+    assert stale == {}, "measure them again: dvc repro -f " + " ".join(stale)
+
+
 # quant: two studies reach it; pinv: almost every study, and the model cards
 @pytest.mark.parametrize("module", ["src/adaattn/models/quant.py", "src/adaattn/kernels/pinv.py"])
 def test_touching_a_library_module_stales_exactly_the_stages_that_reach_it(copy, module):

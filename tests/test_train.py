@@ -136,6 +136,29 @@ def test_fp8s_price_trains_twins_from_the_same_weights_on_the_same_batches(tmp_p
     assert report.render(moved, tmp_path)[1].verdicts[0].verdict == "holds"
 
 
+def test_equal_quality_reads_each_models_wall_clock_to_the_loss_both_reach(tmp_path):
+    from adaattn_experiments.train.report import render
+
+    base = {"target": "h200", "hardware": "test gpu", "table_id": "train", "batch": 4, "seq_len": 250, "mode": "eval",
+            "status": "ok", "reason": "", "cuda": "13.0", "precision": "bf16", "kernel": ""}
+    rows = []
+    # slow: 1,000 tokens a step at 1,000 tokens/s (1 s a step), reaching 1.5 halfway between steps 100 and 200;
+    # fast: 10 ms a step, ending at 1.5 at step 400 (4 s); an FP8 twin is left out of the reading
+    for run, rate, curve in (("slow", 1e3, [(100, 2.0), (200, 1.0)]), ("fast", 1e5, [(200, 1.8), (400, 1.5)]),
+                             ("fast-fp8_rowwise", 1e5, [(400, 9.0)])):
+        model = run.split("-")[0]
+        one = {**base, "provider": run, "model": model, "case_id": f"train/{run}"}
+        rows += [{**one, "metric": "val_loss", "step": s, "value": v} for s, v in curve]
+        rows.append({**one, "mode": "step", "metric": "tokens_per_s", "value": rate})
+    m = render(pd.DataFrame(rows), tmp_path)[0].markdown
+    table = m[m.index("Equal quality"):].split("![")[0]
+    slow = next(line for line in table.splitlines() if "| slow " in line)
+    fast = next(line for line in table.splitlines() if "| fast " in line)
+    assert [c.strip() for c in slow.split("|")][3:8] == ["1.5", "150", "1000", "150", "37.5"]
+    assert [c.strip() for c in fast.split("|")][3:8] == ["1.5", "400", "10", "4", "1"]
+    assert "fast-fp8_rowwise" not in table
+
+
 @pytest.mark.parametrize("update, message", [
     ({"warmup": 6}, "warmup=6 must be below steps=6"),
     ({"models": ["hydra_7b"]}, "train.cpu.models: 'hydra_7b' is not a preset of models"),

@@ -48,9 +48,49 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                       "weights MiB": fmt(last("weights_mb")), "status": "ok"})
     text = prose(__file__, "train",
                  corpus="; ".join(f"{t}: {c}" for t, c in corpus.items()),
-                 table=md_table(pd.DataFrame(table)) if table else "no results")
+                 table=md_table(pd.DataFrame(table)) if table else "no results",
+                 equal=md_table(pd.DataFrame(_equal_quality(ok))) if len(ok) else "no results")
     return [Section("train", "HYDRA against a dense model of equal parameters (trained on real text)",
                     text + _curves(ok, out_dir)), _float8(runs, finals, cpu_targets(df))]
+
+
+def _equal_quality(ok: pd.DataFrame) -> list[dict]:
+    """Per target, the wall-clock each main run (the bf16 and fp32 runs of ``models``, not FP8's twins) takes to
+    reach the validation loss every one of them reaches (the worst final one): its steps there, read off its
+    validation curve by linear interpolation between evaluations, times its steady step time (the tokens/s row;
+    evaluation and the first interval's compile and warm-up not counted)."""
+    out = []
+    main = ok[ok["provider"] == ok["model"]]
+    for target, frame in main.groupby("target", sort=False):
+        curves, step_s = {}, {}
+        for run, mine in frame.groupby("provider", sort=False):
+            val = mine[mine["metric"] == "val_loss"].sort_values("step")
+            rate = mine[mine["metric"] == "tokens_per_s"]["value"]
+            if len(val) and len(rate):
+                curves[run] = list(zip(val["step"].astype(int), val["value"]))
+                step_s[run] = float(mine["batch"].iloc[0] * mine["seq_len"].iloc[0]) / float(rate.iloc[0])
+        if len(curves) < 2:
+            continue
+        goal = max(c[-1][1] for c in curves.values())
+        reached = {run: _first_step_at(curve, goal) for run, curve in curves.items()}
+        fastest = min(reached[r] * step_s[r] for r in curves)
+        for run, curve in curves.items():
+            seconds = reached[run] * step_s[run]
+            out.append({"target": target, "run": run, "validation loss reached": fmt(goal),
+                        "steps to reach it": fmt(reached[run]), "steady step ms": fmt(step_s[run] * 1e3),
+                        "wall-clock s": fmt(seconds), "x the fastest": f"{seconds / fastest:.2f}"})
+    return out
+
+
+def _first_step_at(curve: list[tuple[int, float]], loss: float) -> float:
+    """The first step where the validation curve (step, loss) reaches ``loss``, linear between evaluations (at
+    the first evaluation if it is already there: an upper bound)."""
+    if curve[0][1] <= loss:
+        return float(curve[0][0])
+    for (s0, v0), (s1, v1) in zip(curve, curve[1:]):
+        if v1 <= loss:
+            return s0 + (s1 - s0) * (v0 - loss) / (v0 - v1)
+    return float(curve[-1][0])  # unreachable: the goal is the worst final loss, which every curve reaches
 
 
 def goals() -> TrainGoals:
