@@ -153,3 +153,26 @@ def test_params_yaml_is_in_the_form_dvc_writes_back(tmp_path):
     assert changed == [("  goal_overhead: 1.03           # G2-B: AdaAttention at most 3% slower than the fastest "
                         "backend called directly", "  goal_overhead: 1.05           # G2-B: AdaAttention at most 3% "
                         "slower than the fastest backend called directly")]
+
+
+def test_stale_lists_each_result_that_casts_no_verdict_and_how_to_measure_it(in_repo, tmp_path):
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from adaattn_pipeline.cli import build_app
+    from adaattn_pipeline.config import param_values, params_hash
+
+    raw = load_raw(REPO / "params.yaml")
+    study = registry.studies()["cpu_baseline"]
+    fresh = {"target": "cpu", "hardware": "CPU", "code_hash": codegraph.study_code_hash(study.name, study.data_deps),
+             "params_hash": params_hash(param_values(raw, study.param_keys(raw, "cpu")))}
+    (tmp_path / "cpu_baseline").mkdir()
+    path = tmp_path / "cpu_baseline" / "cpu.csv"
+    pd.DataFrame([fresh]).to_csv(path, index=False)
+    run = CliRunner().invoke(build_app({"cpu_baseline": study}), ["stale", "--results", str(tmp_path), "--check"])
+    assert run.exit_code == 0 and "no stale results" in run.output
+    pd.DataFrame([{**fresh, "code_hash": "0" * 16}]).to_csv(path, index=False)  # measured by other code
+    run = CliRunner().invoke(build_app({"cpu_baseline": study}), ["stale", "--results", str(tmp_path), "--check"])
+    assert run.exit_code == 1, run.output
+    assert "cpu_baseline@cpu" in run.output and "other code" in run.output
+    assert "dvc repro -f cpu_baseline@cpu" in run.output

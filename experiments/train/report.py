@@ -100,14 +100,17 @@ def goals() -> TrainGoals:
 
 
 def _float8(runs: pd.DataFrame, finals: dict, cpus: set[str]) -> Section:
-    """Issue 67's FP8 price: each FP8 run's final validation loss over its bf16 twin's (same preset, weights,
-    batches and steps), against ``train.goals.fp8_val_loss`` either way."""
+    """Issue 67's FP8 price: each FP8 run's final validation loss over its twin's (the same preset, weights,
+    batches and steps in the schedule's dtype, named ``<preset>-<dtype>``), against ``train.goals.fp8_val_loss``
+    either way."""
     tol, table, verdicts = goals().fp8_val_loss, [], []
-    fp8 = runs[runs["precision"].fillna("").astype(str).str.startswith("fp8")]
+    is_fp8 = runs["precision"].fillna("").astype(str).str.startswith("fp8")
+    fp8, twins = runs[is_fp8], runs[~is_fp8 & (runs["provider"] != runs["model"])]
     for (target, run), frame in fp8.groupby(["target", "provider"], sort=False):
         model, precision, hw = frame["model"].iloc[0], frame["precision"].iloc[0], frame["hardware"].iloc[0]
-        twin = f"{model}-bf16"
-        claim = (f"{model}: FP8 training ({precision.removeprefix('fp8_')}) ends within {tol:.0%} of bf16's "
+        mine = twins[(twins["target"] == target) & (twins["model"] == model)].drop_duplicates("provider")
+        twin, dtype = (mine["provider"].iloc[0], mine["precision"].iloc[0]) if len(mine) else (None, "bf16")
+        claim = (f"{model}: FP8 training ({precision.removeprefix('fp8_')}) ends within {tol:.0%} of {dtype}'s "
                  "validation loss after the same tokens (issue 67)")
         band = f"{1 - tol:.2f}-{1 + tol:.2f}x"
         ours, theirs = finals.get((target, run)), finals.get((target, twin))
@@ -123,8 +126,8 @@ def _float8(runs: pd.DataFrame, finals: dict, cpus: set[str]) -> Section:
         verdicts.append(Verdict("G0-T1", claim, band, f"{ratio:.4f} ({ours[0]:.4f} / {theirs[0]:.4f} nats)", hw,
                                 judge((ratio, ratio), (1 - tol, 1 + tol), higher_is_better=False),
                                 f"one run each, step {ours[1]}, the held-out windows of the run"))
-        table.append({"target": target, "model": model, "FP8 run": run, "steps": ours[1],
-                      "bf16 validation loss": fmt(theirs[0]), "FP8 validation loss": fmt(ours[0]),
+        table.append({"target": target, "model": model, "FP8 run": run, "twin": twin, "steps": ours[1],
+                      "twin's validation loss": fmt(theirs[0]), "FP8 validation loss": fmt(ours[0]),
                       "FP8 / bf16": f"{ratio:.4f}", "note": ""})
     md = prose(__file__, "float8", table=md_table(pd.DataFrame(table)) if table else "no FP8 runs")
     return Section("G0-T1", "FP8 training's price in validation loss (issue 67)", md, verdicts)
