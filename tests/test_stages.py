@@ -89,22 +89,13 @@ def test_every_cpu_result_was_measured_by_todays_code_and_params(in_repo):
     """`dvc status` trusts dvc.lock, and `dvc commit` rewrites dvc.lock without measuring: a CPU result committed
     that way after a code change would look fresh to DVC while its report marks it stale. A CPU target can always
     be measured again here (`dvc repro -f <study>@cpu`), so none may be stale by the report's own rule."""
-    import pandas as pd
-
     from adaattn_pipeline.config import validate
-    from adaattn_pipeline.report.render import staleness
+    from adaattn_pipeline.report.render import stale_results
 
     raw = load_raw(REPO / "params.yaml")
     params = validate(raw)
-    stale = {}
-    for name, study in registry.studies().items():
-        for target, profile in raw["study_targets"].get(name, {}).items():
-            path = REPO / "results" / name / f"{target}.csv"
-            if params.targets[target].device != "cpu" or not path.exists():
-                continue
-            why = staleness(study, params, raw, pd.read_csv(path)).get(target)
-            if why:
-                stale[f"{name}@{target}"] = why
+    stale = {stage: why for stage, why in stale_results(registry.studies(), params, raw, REPO / "results").items()
+             if (t := stage.split("@")[1]) in params.targets and params.targets[t].device == "cpu"}
     assert stale == {}, "measure them again: dvc repro -f " + " ".join(stale)
 
 

@@ -157,24 +157,19 @@ def build_app(studies: Mapping[str, Any] | None = None) -> typer.Typer:
         """List the results that cast no verdict (measured under other code or params than today's, or for a target
         the study no longer has: the reports' rule) and the command that measures each again. `dvc status` can miss
         them: `dvc commit` rewrites dvc.lock without measuring, as a GPU stage measured elsewhere is committed."""
-        import pandas as pd
-
-        from adaattn_pipeline.report.render import staleness
+        from adaattn_pipeline.report.render import stale_results
 
         try:
             cfg, raw = load_params(params)
         except ConfigError as err:
             fail(str(err))
         table = Table("stage", "why", "measure it again", title="stale results", title_justify="left")
-        keep = {"target", "hardware", "params_hash", "code_hash"}
-        for name, study in studies.items():
-            for path in sorted((results / name).glob("*.csv")):
-                df = pd.read_csv(path, usecols=lambda c: c in keep)
-                for target, why in staleness(study, cfg, raw, df).items():
-                    here = target in cfg.targets and cfg.targets[target].device == "cpu"
-                    again = f"dvc repro -f {name}@{target}" if here else \
-                        f"adaattn run {name} --target {target} there; dvc commit -f {name}@{target}"
-                    table.add_row(f"{name}@{target}", why, again)
+        for stage, why in stale_results(studies, cfg, raw, results).items():
+            target = stage.split("@")[1]
+            here = target in cfg.targets and cfg.targets[target].device == "cpu"
+            again = f"dvc repro -f {stage}" if here else \
+                f"adaattn run {stage.replace('@', ' --target ')} there; dvc commit -f {stage}"
+            table.add_row(stage, why, again)
         out = Console(width=None if sys.stdout.isatty() else 200)  # a pipe or a log reads each row on one line
         out.print(table if table.row_count else "no stale results: every committed result votes")
         if check and table.row_count:

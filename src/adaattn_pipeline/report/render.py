@@ -51,6 +51,17 @@ def staleness(study: Any, params: Params, raw: dict, df: pd.DataFrame) -> dict[s
 VERDICT_COLUMNS = ["table_id", "claim", "guide", "measured", "hardware", "verdict", "reason"]
 
 
+def stale_results(studies: Mapping[str, Any], params: Params, raw: dict, results_root: Path) -> dict[str, str]:
+    """Every committed result that casts no verdict, ``<study>@<target>`` -> why (``staleness`` over each file)."""
+    keep = {"target", "hardware", "params_hash", "code_hash"}
+    out = {}
+    for name, study in studies.items():
+        for path in sorted((results_root / name).glob("*.csv")):
+            df = pd.read_csv(path, usecols=lambda c: c in keep)
+            out.update({f"{name}@{t}": why for t, why in staleness(study, params, raw, df).items()})
+    return out
+
+
 def verdicts_path(reports_root: Path, study: str) -> Path:
     """A study's verdicts as data, ``reports/verdicts/<study>.csv`` (apart from its figures: DVC's plots)."""
     return reports_root / "verdicts" / f"{study}.csv"
