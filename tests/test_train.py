@@ -73,7 +73,7 @@ def test_a_run_logs_curves_and_its_weights_load_back_to_the_same_validation_loss
     # FP8's price is a GPU's: one row that says why, no bf16 twin trained for nothing
     fp8 = df[df.precision == "fp8_rowwise"]
     assert len(fp8) == 1 and fp8.status.item() == "unavailable" and "compute capability" in fp8.reason.item()
-    assert not (df.provider == "dense_small-bf16").any()
+    assert not (df.provider == "dense_small-fp32").any()
     df = df.drop(fp8.index)
     assert (df.status == "ok").all(), df[df.status != "ok"]
     run = params.train.cpu
@@ -120,10 +120,10 @@ def test_fp8s_price_trains_twins_from_the_same_weights_on_the_same_batches(tmp_p
                        for r in rows])
     assert converted == ["rowwise"] and (df.status == "ok").all()
     twin, fp8 = (df[df.provider == p].set_index(["metric", "step"])["value"]
-                 for p in ("dense_small-bf16", "dense_small-fp8_rowwise"))
+                 for p in ("dense_small-fp32", "dense_small-fp8_rowwise"))
     losses = [m for m in twin.index if m[0] in ("train_loss", "val_loss")]
     assert len(losses) == 4 and all(twin[m] == fp8[m] for m in losses)
-    assert not (tmp_path / "weights" / "cpu" / "dense_small-bf16.pt").exists()  # the price keeps no weights
+    assert not (tmp_path / "weights" / "cpu" / "dense_small-fp32.pt").exists()  # the price keeps no weights
     _, price = report.render(df, tmp_path)
     (verdict,) = price.verdicts
     assert verdict.verdict == "holds" and verdict.measured.startswith("1.0000") and "dense_small-fp8_rowwise" in price.markdown
@@ -134,6 +134,22 @@ def test_fp8s_price_trains_twins_from_the_same_weights_on_the_same_batches(tmp_p
         assert report.render(moved, tmp_path)[1].verdicts[0].verdict == expected
     monkeypatch.setattr(report, "goals", lambda: report.TrainGoals(fp8_val_loss=0.05))
     assert report.render(moved, tmp_path)[1].verdicts[0].verdict == "holds"
+
+
+def test_a_schedules_compile_settings_compile_every_run(tmp_path, monkeypatch):
+    from adaattn_experiments.train import study as train_study
+
+    seen, compile_ = [], train_study.optimize_model
+    monkeypatch.setattr(train_study, "optimize_model",
+                        lambda model, **k: seen.append(k) or compile_(model, **{**k, "compile_mode": None}))
+    params = _params({"models": ["dense_small"], "steps": 2, "log_every": 1, "eval_every": 2, "warmup": 0,
+                      "compile_mode": "default", "compile_scope": "model"})
+    train_study.Train("cpu", tmp_path).extra_rows(params, params.targets["cpu"])
+    assert [(k["compile_mode"], k["compile_scope"]) for k in seen] == [("default", "model")]
+    params = _params({"models": ["dense_small"], "steps": 2, "log_every": 1, "eval_every": 2, "warmup": 0})
+    seen.clear()
+    train_study.Train("cpu", tmp_path).extra_rows(params, params.targets["cpu"])
+    assert [(k["compile_mode"], k["compile_scope"]) for k in seen] == [(None, "blocks")]  # eager by default
 
 
 def test_equal_quality_reads_each_models_wall_clock_to_the_loss_both_reach(tmp_path):
@@ -163,6 +179,7 @@ def test_equal_quality_reads_each_models_wall_clock_to_the_loss_both_reach(tmp_p
     ({"warmup": 6}, "warmup=6 must be below steps=6"),
     ({"models": ["hydra_7b"]}, "train.cpu.models: 'hydra_7b' is not a preset of models"),
     ({"lr": 0}, "lr"),
+    ({"compile_mode": "reduce-overhead"}, "compile_mode"),
     ({"float8": {"models": ["dense_small"], **TOY, "recipe": "blockwise"}}, "recipe"),
     ({"float8": {"models": ["hydra_7b"], **TOY}}, "train.cpu.float8.models: 'hydra_7b' is not a preset"),
 ])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -12,7 +12,17 @@ from adaattn_pipeline.config import ByProfile, check_preset
 from adaattn_pipeline.config import Section as _Section
 
 
-class Float8Price(TrainSchedule):
+class CompiledSchedule(TrainSchedule):
+    """A schedule whose model is compiled as ``optimize_model`` compiles it (``compile_mode`` None: eager).
+    ``blocks``: each block compiled in place, one graph the blocks share (HYDRA's whole forward, its blocks'
+    calls with the routing between them, compiles ~5x longer as one graph: docs/notebook.md, twenty-first
+    session, item 11)."""
+
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] | None = None
+    compile_scope: Literal["model", "blocks"] = "blocks"
+
+
+class Float8Price(CompiledSchedule):
     """Issue 67's price of FP8 training: each of ``models`` trained twice on this schedule, from the same fresh
     weights on the same batches, in bf16 and with torchao's float8 training (``recipe``) on its blocks' linears;
     the validation loss curves side by side (a GPU's: FP8 GEMMs need compute capability 8.9)."""
@@ -21,7 +31,7 @@ class Float8Price(TrainSchedule):
     recipe: Recipe = "rowwise"
 
 
-class TrainRun(TrainSchedule):
+class TrainRun(CompiledSchedule):
     """The train stage: each of ``models`` trained from fresh weights on the schedule; ``float8``, FP8's price."""
 
     models: Annotated[list[str], Field(min_length=1)]  # presets of `models`

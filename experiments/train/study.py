@@ -1,31 +1,34 @@
 """The train study: each model of ``train.<profile>.models`` (HYDRA and a dense model of equal parameters)
 trained from fresh weights on the same real text, the same batches in the same order, for the same steps.
 
-Text: Python's standard-library sources as bytes (``models.data``), a held-out share of the files for
-validation. Each model: ``create_optimized_training_setup`` (AdamW, fused on a GPU; autocast to the run's
-dtype; eager), a linear warm-up then a cosine to a tenth of ``lr`` (``common.fit``). Rows per model: the
-training loss every ``log_every`` steps (its mean over them) and the time per step over them (``step`` column:
-the curve, which MLflow logs as each metric's history); the validation loss every ``eval_every`` steps and at
-the end, in eval mode (HYDRA routes causally there: a token by its router's score, not by a top-k over the
-sequence); tokens/s over the steps after the first interval; the model's FLOPs per step. ``float8`` (issue 67):
-its presets trained twice more on its own schedule, in bf16 and under torchao's float8 training, from the same
-weights on the same batches, so that FP8's price is a validation loss read beside its twin's (a row that says why
-where FP8 GEMMs cannot run); a ``precision`` column names each run's. The weights are saved
-on the machine that trained them, ``models/weights/<target>/<model>.pt`` (``models.train.load_model``; outside
-git and DVC: the results are what the pipeline keeps, and a fresh clone has no weights to miss).
+Text: Python's standard-library sources as bytes (``models.data``), a held-out share of the files for validation.
+Each model: ``create_optimized_training_setup`` (AdamW, fused on a GPU; autocast to the run's dtype), compiled as
+the schedule's ``compile_mode`` and ``compile_scope`` say (eager by default), a linear warm-up then a cosine to a
+tenth of ``lr`` (``common.fit``). Rows per model: the training loss every ``log_every`` steps (its mean over them)
+and the time per step over them (``step`` column: the curve, which MLflow logs as each metric's history); the
+validation loss every ``eval_every`` steps and at the end, in eval mode (HYDRA routes causally there: a token by its
+router's score, not by a top-k over the sequence); tokens/s over the steps after the first interval; the model's
+FLOPs per step. ``float8`` (issue 67): its presets trained twice more on its own schedule, in bf16 and under
+torchao's float8 training, from the same weights on the same batches, so that FP8's price is a validation loss read
+beside its twin's (a row that says why where FP8 GEMMs cannot run); a ``precision`` column names each run's. The
+weights are saved on the machine that trained them, ``models/weights/<target>/<model>.pt``
+(``models.train.load_model``; outside git and DVC: the results are what the pipeline keeps, and a fresh clone has no
+weights to miss).
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from adaattn.models.data import Corpus, load_corpus
+from adaattn.models.train import optimize_model
 from adaattn_experiments.common.fit import fit
 from adaattn_experiments.common.float8 import float8_unavailable, to_float8
-from adaattn_experiments.train.schema import Float8Price, TrainRun
+from adaattn_experiments.train.schema import CompiledSchedule, Float8Price, TrainRun
 from adaattn_pipeline.bench.harness import Case
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.config import Params, Target
@@ -62,7 +65,7 @@ class Train(StudyDef):
                  "status": "ok", "reason": info, "kernel": ""}]
         for model in run.models:
             rows += fit(model, params.models[model], run, corpus, self.weights_root / name, self.device,
-                        precision=run.dtype)
+                        convert=_compiler(run), precision=run.dtype)
             self._release()
         if run.float8 is not None:
             rows += self._float8_rows(params, run.float8, corpus)
@@ -80,15 +83,27 @@ class Train(StudyDef):
                              "provider": f"{model}-{fp8}", "mode": "eval", "metric": "val_loss", "value": None,
                              "unit": "nats", "status": "unavailable", "reason": why})
                 continue
-            for precision, convert in (("bf16", None), (fp8, functools.partial(to_float8, recipe=price.recipe))):
+            compile_ = _compiler(price)
+            for precision, convert in ((price.dtype, compile_),
+                                       (fp8, lambda m: compile_(to_float8(m, recipe=price.recipe)))):
                 rows += fit(model, params.models[model], price, corpus, None, self.device, convert=convert,
                             precision=precision, label=f"{model}-{precision}")
                 self._release()
         return rows
 
     def _release(self) -> None:
+        # each run compiles afresh, as in a process of its own: the blocks of every preset and twin share one
+        # forward's code, and their graphs would otherwise pile up on it to dynamo's recompile limit
+        torch._dynamo.reset()
         if self.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def _compiler(run: CompiledSchedule) -> Callable[[nn.Module], nn.Module]:
+    """The fresh model compiled as ``run`` says, before its optimizer is built (the trainer then casts and moves
+    it: compilation wraps the module, it does not copy the parameters)."""
+    return lambda model: optimize_model(model, compile_mode=run.compile_mode, tf32=False,
+                                        compile_scope=run.compile_scope)[0]
 
 
 STUDY = Train()
