@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, interval_text, judge,
-                                            knobs, md_table, median_interval, prose, rendered_params)
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, filed, fmt, guide_figures, interval_text,
+                                            judge, knobs, md_table, median_interval, prose)
 from adaattn_experiments.common.paired import paired_frame, ratio_text
 from adaattn_experiments.inference.schema import DecodeGoals
 
@@ -73,8 +73,7 @@ def quality_table(ok: pd.DataFrame) -> str:
 
 def decode_goal() -> DecodeGoals:
     """Issue 66's goals as filed in params.yaml (``G3-T3.decode_goals``; its defaults outside a render)."""
-    params = rendered_params()
-    return params.g3_t3.decode_goals if params is not None and params.g3_t3 is not None else DecodeGoals()
+    return filed("g3_t3", "decode_goals", DecodeGoals())
 
 
 def decode_goal_verdicts(ok: pd.DataFrame, runs: pd.DataFrame, copy: float | None, cpu: bool,

@@ -9,8 +9,8 @@ import pandas as pd
 import seaborn as sns
 
 from adaattn_experiments.memory_bank.schema import QualityGoal
-from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, figure_link, fmt, guide_figures, judge,
-                                            knobs, md_table, prose, rendered_params)
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, figure_link, filed, fmt, guide_figures,
+                                            judge, knobs, md_table, prose)
 
 GIB = 1024.0  # MiB
 
@@ -176,8 +176,7 @@ def _quality(df: pd.DataFrame) -> str:
 
 def quality_goal() -> QualityGoal:
     """G3-T4's quality goals as filed in params.yaml (``G3-T4.quality``; its defaults outside a render)."""
-    params = rendered_params()
-    return params.g3_t4.quality if params is not None and params.g3_t4 is not None else QualityGoal()
+    return filed("g3_t4", "quality", QualityGoal())
 
 
 def quality_verdicts(df: pd.DataFrame) -> list[Verdict]:

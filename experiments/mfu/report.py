@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, judge, knobs, md_table, prose,
-                                            rendered_params)
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, filed, fmt, judge, knobs, md_table,
+                                            prose)
 from adaattn_experiments.common.paired import paired_frame, ratio_text
 from adaattn_experiments.mfu.schema import FP8_CONFIGS, PEERS, MfuGoals
 
@@ -120,8 +120,7 @@ def _goals(target: str, case_id: str, model: str, hw: str, fastest: str | None, 
 
 def peer_goals() -> MfuGoals:
     """Issue 67's peer goal as filed in params.yaml (``mfu.goals``; its defaults outside a render)."""
-    params = rendered_params()
-    return params.mfu.goals if params is not None and params.mfu is not None else MfuGoals()
+    return filed("mfu", "goals", MfuGoals())
 
 
 def _issue67_goals(target: str, case_id: str, model: str, hw: str, frame: pd.DataFrame, best: str | None,

@@ -9,8 +9,8 @@ import pandas as pd
 import seaborn as sns
 
 from adaattn.attention.backends import Signature
-from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, guide_figures, judge, knobs, md_table,
-                                            prose, rendered_params, save_figure)
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, filed, fmt, guide_figures, judge, knobs,
+                                            md_table, prose, save_figure)
 from adaattn_experiments.precision.schema import FP8_PROVIDERS, FP8Goal
 from adaattn_experiments.precision.study import DTYPE_OF
 
@@ -78,8 +78,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
 
 def fp8_goal() -> FP8Goal:
     """Issue 68's goals as filed in params.yaml (``G2-T3.fp8_goals``; its defaults outside a render)."""
-    params = rendered_params()
-    return params.g2_t3.fp8_goals if params is not None and params.g2_t3 is not None else FP8Goal()
+    return filed("g2_t3", "fp8_goals", FP8Goal())
 
 
 def fp8_section(df: pd.DataFrame, cpus: set[str]) -> tuple[str, list[Verdict]]:

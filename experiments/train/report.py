@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import seaborn as sns
 
-from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, figure_link, fmt, judge, md_table, prose,
-                                            rendered_params)
+from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, figure_link, filed, fmt, judge, md_table,
+                                            prose)
 from adaattn_experiments.train.schema import TrainGoals
 
 
@@ -95,8 +95,7 @@ def _first_step_at(curve: list[tuple[int, float]], loss: float) -> float:
 
 def goals() -> TrainGoals:
     """The train study's goals as filed in params.yaml (``train.goals``; its defaults outside a render)."""
-    params = rendered_params()
-    return params.train.goals if params is not None and params.train is not None else TrainGoals()
+    return filed("train", "goals", TrainGoals())
 
 
 def _float8(runs: pd.DataFrame, finals: dict, cpus: set[str]) -> Section:

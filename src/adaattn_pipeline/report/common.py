@@ -127,6 +127,14 @@ def rendered_params():
     return _params[-1] if _params else None
 
 
+def filed(section: str, field: str, default):
+    """A study's goals as filed in params.yaml (``section``'s ``field``, outside the results' hash), or ``default``
+    outside a render or where the section is absent."""
+    params = rendered_params()
+    found = getattr(params, section, None) if params is not None else None
+    return getattr(found, field) if found is not None else default
+
+
 @contextlib.contextmanager
 def use_params(params):
     _params.append(params)
