@@ -15,7 +15,7 @@ from adaattn_pipeline.config import Section as _Section
 class CompiledSchedule(TrainSchedule):
     """A schedule whose model is compiled as ``optimize_model`` compiles it (``compile_mode`` None: eager).
     ``blocks``: each block compiled in place, one graph the blocks share (HYDRA's whole forward, its blocks'
-    calls with the routing between them, compiles ~5x longer as one graph: docs/notebook.md, twenty-first
+    calls with the routing between them, compiles much longer as one graph: docs/notebook.md, twenty-first
     session, item 11)."""
 
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] | None = None

@@ -3,7 +3,8 @@
 A decode step of a small model reads every weight once; at batch 1 it is a chain of GEMVs, each a few
 microseconds, so the kernels between them (norms, RoPE, cache writes, residual adds, SwiGLU) and the gaps
 between launches cost as much as the weights' bytes. One kernel per projection, as the fastest public
-CUDA-graph decoders are built (five a layer):
+CUDA-graph decoders are built (four a layer; with the attention's two, ``kernels.decode_attention``, a layer of
+``models.decode_step`` is six launches):
 
 - ``norm_qkv_rope``: RMSNorm of the residual stream, the packed q/k/v projection, RoPE on q and k, k and v
   written into the layer's cache at the step's position, q returned (B, H, D). A program computes rows
@@ -61,6 +62,15 @@ def _dot(acc, xv, w, FP32: tl.constexpr):
 
 
 @triton.jit
+def _i8_f32(w):
+    """int8 -> fp32 without the conversion unit (Hopper's I2F issues at an eighth of the FMA rate, about the
+    rate the GEMV's own bytes arrive): w + 128 in the low bits of 2^23's float, then 2^23 + 128 taken off.
+    Exact for every int8. The INT4 codes keep their conversion: the same trick made INT4's step no faster
+    (docs/notebook.md, 2026-11-29)."""
+    return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def _int4_dense(p, s, z, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
     """Codes p (BLOCK_N, BLOCK_K / 2) of one nibble, their groups' scales and offsets (BLOCK_N, BLOCK_K / GROUP)
     -> weights (BLOCK_N, BLOCK_K / 2) in DT."""
@@ -98,7 +108,7 @@ def _rows(acc, part, x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, n, nmask, m, mmask, k0,
         xv = _x_tile(x_ptr, nw_ptr, m, k, mmask, kmask, sx, rstd, NORM)
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
         if GEMV:
-            part += w.to(tl.float32) * xv
+            part += (_i8_f32(w) if BITS == 8 else w.to(tl.float32)) * xv
         else:
             acc = _dot(acc, xv, w.to(DT), FP32)
     return acc, part
