@@ -132,6 +132,26 @@ def test_exposed_communication_is_collective_time_no_other_kernel_hid():
     assert exposed_communication([("gemm", 0, 5)])["exposed_ms"] == 0
 
 
+def test_the_ranks_collectives_side_by_side_split_transfer_from_waiting():
+    from adaattn.distributed.parallel import collective_kernels, collective_skew
+    from adaattn_experiments.distributed.study import trace_rows
+
+    # rank 0 launches both all-reduces early and waits for rank 1, which runs each for its transfer alone
+    r0 = collective_kernels([("gemm", 0, 5), ("ncclAllReduce", 10, 30), ("ncclAllReduce", 50, 10)])
+    r1 = collective_kernels([("ncclAllReduce", 52, 9), ("gemm", 0, 5), ("ncclAllReduce", 35, 6)])
+    assert r1 == [("ncclAllReduce", 35, 6), ("ncclAllReduce", 52, 9)]  # in start order, collectives only
+    assert collective_skew([r0, r1]) == {"wire_ms": 15e-6, "wait_ms": 25e-6, "skew_ms": 27e-6, "collectives": 2}
+    assert collective_skew([r0, r1[:1]]) is None and collective_skew([r0]) is None  # unmatched: no reading
+    assert collective_skew([r0, [("ncclAllGather", 35, 6), r1[1]]]) is None
+    trace = [{"comm_ms": 4.0, "exposed_ms": 2.0, "span_ms": 10.0, "steps": 2, "skew_wire_ms": 1.0,
+              "skew_wait_ms": 3.0, "skew_skew_ms": 0.5, "skew_collectives": 8}] * 2
+    rows = {r["metric"]: r["value"] for r in trace_rows(trace)}
+    assert rows == {"comm_ms": 2.0, "exposed_comm_ms": 1.0, "exposed_comm_share": 0.2, "comm_wire_ms": 0.5,
+                    "comm_wait_ms": 1.5, "comm_skew_ms": 0.25}
+    assert "comm_wait_ms" not in {r["metric"] for r in trace_rows([{k: v for k, v in trace[0].items()
+                                                                      if not k.startswith("skew")}])}
+
+
 def test_a_world_size_the_machine_lacks_is_a_row_that_says_so(monkeypatch):
     import torch
 

@@ -16,7 +16,8 @@ from adaattn_pipeline.config import ConfigError, load_raw, validate
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 TOY = {"cases": [{"model": "dense_small", "batch": 2, "seq_len": 16,
-                  "configs": ["plain", "kernels", "loss", "fp8", "fp8_rowwise", "torchtitan"]}],
+                  "configs": ["plain", "kernels", "loss", "fused_loss", "liger_loss", "fp8", "fp8_rowwise",
+                              "torchtitan"]}],
        "dtype": "fp32", "side_by_side": {"budget_ms": 1, "min_rounds": 3, "max_rounds": 3}}
 
 
@@ -44,23 +45,26 @@ def test_each_config_is_timed_side_by_side_with_its_own_graph(monkeypatch):
     timed = df[df.metric == "side_by_side_ms"].set_index("provider")
     for fp8 in ("fp8", "fp8_rowwise"):
         assert timed.loc[fp8, "status"] == "unavailable" and "float8" in timed.loc[fp8, "reason"]
+    assert timed.loc["liger_loss", "status"] == "unavailable" and "GPU" in timed.loc["liger_loss", "reason"]
     # the peer runs on a CPU where its wheel is installed (SDPA has a CPU backward); CI's lock has none
     titan_ok = timed.loc["torchtitan", "status"] == "ok"
     assert titan_ok or timed.loc["torchtitan", "reason"].startswith("torchtitan not importable")
-    assert (timed.loc[["plain", "kernels", "loss"], "status"] == "ok").all()
+    assert (timed.loc[["plain", "kernels", "loss", "fused_loss"], "status"] == "ok").all()
     # each config adds its setting to those listed before it, and starts from the same weights; the peer its own
     assert [on for on, _ in built] == [["plain"], ["kernels", "plain"], ["kernels", "loss", "plain"],
+                                       ["fused_loss", "kernels", "loss", "plain"],
                                        *([["torchtitan"]] if titan_ok else [])]
-    built = built[:3]
+    built = built[:4]
     for _, state in built[1:]:
         assert all(torch.equal(state[k], v) for k, v in built[0][1].items())
     graphs = df[df.metric == "graphs_compiled"].set_index("provider")["value"]
-    # plain: the shared block; kernels: the block again, our kernels' switch being a guard; loss: the loss alone
+    # plain: the shared block; kernels: the block again, our kernels' switch being a guard; loss: the loss alone;
+    # fused_loss: kernels' block, and on a CPU its chunks' softmax eager
     peer = ["torchtitan"] if titan_ok else []
-    assert graphs.drop(peer).to_dict() == {"plain": 1, "kernels": 1, "loss": 1}
-    assert sorted(df[df.metric == "paired_ratio"].provider) == ["kernels", "loss", *peer]
+    assert graphs.drop(peer).to_dict() == {"plain": 1, "kernels": 1, "loss": 1, "fused_loss": 0}
+    assert sorted(df[df.metric == "paired_ratio"].provider) == ["fused_loss", "kernels", "loss", *peer]
     assert (df[df.metric == "first_step_s"].value > 0).all()
-    assert sorted(df[df.metric == "step_peak_mem_mb"].provider) == ["kernels", "loss", "plain", *peer]
+    assert sorted(df[df.metric == "step_peak_mem_mb"].provider) == ["fused_loss", "kernels", "loss", "plain", *peer]
     assert df[df.metric == "model_flops"].value.item() > 0
     assert not mfu.get_kernel_status()["reason"]  # the switch restored after the steps
 
@@ -204,6 +208,12 @@ def test_the_peer_is_judged_apart_from_the_zoo(tmp_path, monkeypatch):
     assert "torchtitan's tokens/s" in peer.claim and peer.verdict == "worse than claimed"
     assert peer.measured.startswith(f"{1.06 / 1.3:.3f} (interval {1.05 / 1.32:.3f}-{1.07 / 1.28:.3f}; kernels over "
                                     "torchtitan)")
+    # Liger's loss in our step, the fastest bf16 config: compared with, never one of, the zoo's configs
+    df = _frame({"plain": 180.0, "kernels": 170.0, "fused_loss": 172.0, "liger_loss": 160.0, "torchtitan": 140.0},
+                {"kernels": (1.06, 1.05, 1.07), "fused_loss": (1.05, 1.04, 1.06), "liger_loss": (1.12, 1.1, 1.14),
+                 "torchtitan": (1.3, 1.28, 1.32)})
+    mfu, *_, peer = report.render(df, tmp_path)[0].verdicts
+    assert mfu.measured == "58.8% (kernels)" and "; kernels over torchtitan)" in peer.measured
     # slower peer: 1.06 / 0.9 with its interval taken at the far ends
     df = _frame({"plain": 180.0, "kernels": 170.0, "torchtitan": 200.0},
                 {"kernels": (1.06, 1.05, 1.07), "torchtitan": (0.9, 0.89, 0.91)})

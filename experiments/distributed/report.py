@@ -87,6 +87,10 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                               "step ms": fmt(_median(good, "step_ms")),
                               "comm ms a step": fmt(_median(good, "comm_ms")),
                               "exposed": fmt(share),
+                              # the collectives' time on the slowest rank, split: the transfer, and the waiting
+                              # for another rank to join (the ranks' traces side by side)
+                              "comm wire / wait ms": " / ".join(fmt(_median(good, m))
+                                                               for m in ("comm_wire_ms", "comm_wait_ms")),
                               "peak GiB a rank": fmt(peak / 1024 if peak is not None else None),
                               "loss, first step -> last": " -> ".join(fmt(_median(good, m))
                                                                        for m in ("loss_first", "loss_last")),

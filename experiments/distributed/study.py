@@ -310,11 +310,21 @@ def trace_rows(trace: list[dict] | None) -> list[dict]:
     worst = max(trace, key=lambda r: r["exposed_ms"] / r["span_ms"] if r["span_ms"] else 0.0)
     steps = worst["steps"]
     why = f"{steps} traced steps, the rank of the largest exposed share"
-    return [{"status": "ok", "metric": "comm_ms", "value": worst["comm_ms"] / steps, "unit": "ms", "reason": why},
+    rows = [{"status": "ok", "metric": "comm_ms", "value": worst["comm_ms"] / steps, "unit": "ms", "reason": why},
             {"status": "ok", "metric": "exposed_comm_ms", "value": worst["exposed_ms"] / steps, "unit": "ms",
              "reason": why},
             {"status": "ok", "metric": "exposed_comm_share", "value": worst["exposed_ms"] / worst["span_ms"]
              if worst["span_ms"] else None, "unit": "fraction", "reason": why}]
+    if "skew_wire_ms" in worst:  # the ranks' collectives matched: transfer, waiting for a rank, start spread
+        across = f"{steps} traced steps, {worst['skew_collectives']} collective kernels matched across the ranks"
+        rows += [{"status": "ok", "metric": f"comm_{part}_ms", "value": worst[f"skew_{part}_ms"] / steps,
+                  "unit": "ms", "reason": f"{across}: {what}"}
+                 for part, what in (("wire", "each collective's shortest duration among the ranks (the last to "
+                                     "join runs it for the transfer alone)"),
+                                    ("wait", "the slowest rank's collective time beyond that: waiting for another "
+                                     "rank"),
+                                    ("skew", "the spread of each collective's start across the ranks"))]
+    return rows
 
 
 def allreduce_rows(ws: int, run: DistributedRun, tmp: Path) -> list[dict]:

@@ -9,7 +9,7 @@ import pandas as pd
 from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, filed, fmt, judge, knobs, md_table,
                                             prose)
 from adaattn_experiments.common.paired import paired_frame, ratio_text
-from adaattn_experiments.mfu.schema import FP8_CONFIGS, PEERS, MfuGoals
+from adaattn_experiments.mfu.schema import FP8_CONFIGS, NOT_ZOO, PEERS, MfuGoals
 
 GB = 2**20 / 1e9  # MiB -> GB
 
@@ -36,7 +36,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
             mfu = flops / (ms / 1e3) / (rate * 1e12) if ms and flops and rate else None
             r = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id) & (ratios["vs"] == config)]
             r = r.iloc[0].to_dict() if len(r) else None
-            zoo = config not in PEERS  # a peer is compared with, never one of, the zoo's configs
+            zoo = config not in NOT_ZOO  # a peer, or a peer's loss in our step: compared with, never one of, ours
             if zoo and ms and (fastest is None or ms < fastest[1]):
                 fastest = config, ms
             if zoo and ms and basis == "bf16" and (bf16_fastest is None or ms < bf16_fastest[1]):

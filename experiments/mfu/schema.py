@@ -9,9 +9,13 @@ from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 from adaattn_pipeline.config import ByProfile, Rounds, check_preset
 from adaattn_pipeline.config import Section as _Section
 
-MFU_CONFIGS = ("plain", "kernels", "loss", "fp8", "fp8_rowwise", "torchtitan")
+MFU_CONFIGS = ("plain", "kernels", "loss", "fused_loss", "liger_loss", "fp8", "fp8_rowwise", "torchtitan")
 FP8_CONFIGS = ("fp8", "fp8_rowwise")  # counted against the FP8 GEMM rate, never the bf16 one
 PEERS = ("torchtitan",)  # another library's step at the same shape: timed beside ours, adds no setting to ours
+# branches: a config that takes the settings listed before it, which the configs after it do not take (the head
+# and loss fused, ours or Liger's: the fp8 configs after them keep the plain head and the compiled loss)
+BRANCHES = ("fused_loss", "liger_loss")
+NOT_ZOO = (*PEERS, "liger_loss")  # another library's work: compared with, never one of, the zoo's configs
 
 
 class MfuCase(_Section):
@@ -34,9 +38,10 @@ class MfuCase(_Section):
 class MfuSweep(_Section):
     """The MFU goals: each case's training step (``Trainer.train_step``) in each config, side by side: ``plain``
     (compiled PyTorch: SDPA, bf16 autocast, TF32, fused AdamW, PyTorch's norm and activation ops for inductor to
-    fuse, the loss eager), ``kernels`` (our Triton kernels), ``loss`` (the loss compiled too), ``fp8``
+    fuse, the loss eager), ``kernels`` (our Triton kernels), ``loss`` (the loss compiled too), ``fused_loss``
+    (the head and the loss fused by chunks, ``models.loss``) and ``liger_loss`` (Liger-Kernel's, the peer), ``fp8``
     (torchao's float8 training on the blocks' linears, tensorwise) and ``fp8_rowwise`` (its rowwise recipe), each
-    config adding its setting to those listed before it; ``torchtitan``: torchtitan's llama3 step at the same shape (``titan.py``). Each case's models are
+    config adding its setting to those listed before it (but ``BRANCHES``', which no later config takes); ``torchtitan``: torchtitan's llama3 step at the same shape (``titan.py``). Each case's models are
     resident together: their weights and AdamW state must fit."""
 
     cases: Annotated[list[MfuCase], Field(min_length=1)]

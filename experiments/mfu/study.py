@@ -8,6 +8,9 @@ every config listed before it:
   the loss eager (``torch.compile(model)``, as a user writes it);
 - ``kernels``: our Triton kernels (RMSNorm, SwiGLU, rotary) as custom ops in the compiled graph;
 - ``loss``: the loss compiled too (the fp32 cast and cross-entropy fused over the logits);
+- ``fused_loss``: the LM head and the loss fused by chunks of tokens, no logits in memory (``models.loss``);
+- ``liger_loss``: the same with Liger-Kernel's fused linear cross-entropy, the peer users would pick (never the
+  zoo's best or fastest config). These two are branches: the configs after them do not take them;
 - ``fp8``: torchao's float8 training (tensorwise scales) on the blocks' linears; the LM head stays bf16;
 - ``fp8_rowwise``: the same with torchao's rowwise recipe (a scale a row: issue 67's FP8, the one the train study
   prices in validation loss);
@@ -27,7 +30,7 @@ import contextlib
 import copy
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -42,13 +45,14 @@ from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
 from adaattn_experiments.common.float8 import float8_unavailable, to_float8
 from adaattn_experiments.mfu import titan
-from adaattn_experiments.mfu.schema import FP8_CONFIGS, PEERS, MfuCase, MfuSweep
+from adaattn_experiments.mfu.schema import BRANCHES, FP8_CONFIGS, PEERS, MfuCase, MfuSweep
 from adaattn.kernels import set_use_triton_kernels
 from adaattn.kernels import runtime
 from adaattn.kernels.runtime import get_kernel_status
 from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import build_model
 from adaattn.models.card import flops_per_token, param_counts
+from adaattn.models.loss import linear_cross_entropy
 from adaattn.models.train import Trainer, create_optimized_training_setup
 
 
@@ -90,6 +94,8 @@ class Mfu(StudyDef):
     def unavailable(self, config: str, cfg: ModelConfig, seq_len: int) -> str | None:
         if config == "torchtitan":
             return titan.why_not(self.device, cfg, seq_len)
+        if config == "liger_loss":
+            return liger_unavailable(self.device)
         if config in FP8_CONFIGS and float8_unavailable(self.device):
             return float8_unavailable(self.device)
         if config in ("kernels", *FP8_CONFIGS) and not get_kernel_status()["use_triton_kernels"]:
@@ -139,34 +145,41 @@ class Mfu(StudyDef):
         torch.manual_seed(sweep.seed)
         initial = copy.deepcopy(build_model(cfg).state_dict())  # every config from the same weights
         trainers: dict[str, Trainer | titan.TitanStep] = {}
+        criteria: dict[str, Callable[[Tensor, Tensor], Tensor] | None] = {}
         compile_s: dict[str, tuple[float, int]] = {}
 
         ours = [c for c in live if c not in PEERS]  # an unavailable config adds nothing, nor does a peer
-        settings = {c: {c} if c in PEERS else set(ours[: ours.index(c) + 1]) for c in live}
+        # a branch's setting stays its own: the configs after it take only the other settings before them
+        settings = {c: {c} if c in PEERS else {*(b for b in ours[: ours.index(c)] if b not in BRANCHES), c}
+                    for c in live}
+
+        def run(config: str) -> Callable[[], object]:
+            return functools.partial(self._step, trainers[config], settings[config], batch, criteria[config])
 
         def step(config: str) -> Workload:
             if config not in trainers:
-                trainers[config] = self._trainer(cfg, settings[config], initial, sweep, S)
+                trainers[config], criteria[config] = self._trainer(cfg, settings[config], initial, sweep, S)
                 graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
-                self._step(trainers[config], settings[config], batch)  # the first step compiles
+                run(config)()  # the first step compiles
                 if self.device == "cuda":
                     torch.cuda.synchronize()
                 compile_s[config] = time.perf_counter() - t0, counters["stats"]["unique_graphs"] - graphs
-            return Workload(fwd=functools.partial(self._step, trainers[config], settings[config], batch), inputs=[])
+            return Workload(fwd=run(config), inputs=[])
 
         rows += side_by_side_rows([(base, "step", {c: functools.partial(step, c) for c in live})], self.device,
                                   keep=live, rounds=sweep.side_by_side, seed=sweep.seed,
                                   paired="plain" if "plain" in live and len(live) > 1 else None)
         for config, (seconds, graphs) in compile_s.items():
+            how = "torchtitan's own compile (each block fullgraph, its loss; default mode)" if config in PEERS else \
+                f"{sweep.compile_scope}-scope torch.compile ({sweep.compile_mode})"
             rows.append({**base, "provider": config, "mode": "step", "metric": "first_step_s", "value": seconds,
-                         "unit": "s", "status": "ok", "reason": f"the first step: {sweep.compile_scope}-scope "
-                         f"torch.compile ({sweep.compile_mode}) and the step itself"})
+                         "unit": "s", "status": "ok", "reason": f"the first step: {how} and the step itself"})
             # a config that compiled no graph of its own ran another's (kernels on or off): the test of the switch
             rows.append({**base, "provider": config, "mode": "step", "metric": "graphs_compiled", "value": graphs,
                          "unit": "graphs", "status": "ok", "reason": "dynamo graphs its first step compiled"})
         for config, trainer in trainers.items():
             rows.append(peak_row({**base, "provider": config, "mode": "step", "metric": "step_peak_mem_mb"},
-                                 functools.partial(self._step, trainer, settings[config], batch), self.device,
+                                 run(config), self.device,
                                  trainer.held_bytes(), "weights and optimizer state held, and one step's peak over "
                                  "them"))
         with torch.device("meta"):
@@ -179,12 +192,16 @@ class Mfu(StudyDef):
             torch.cuda.empty_cache()
         return rows
 
-    def _trainer(self, cfg: ModelConfig, on: set[str], initial: dict[str, Tensor],
-                 sweep: MfuSweep, seq_len: int) -> Trainer | titan.TitanStep:
+    def _trainer(self, cfg: ModelConfig, on: set[str], initial: dict[str, Tensor], sweep: MfuSweep,
+                 seq_len: int) -> tuple[Trainer | titan.TitanStep, Callable[[Tensor, Tensor], Tensor] | None]:
+        """The config's step and the criterion it trains with (None: the trainer's own loss over the logits)."""
         if "torchtitan" in on:
-            return titan.TitanStep(cfg, seq_len, self.device, sweep.dtype)
+            return titan.TitanStep(cfg, seq_len, self.device, sweep.dtype), None
         model = build_model(cfg, device=self.device)
         model.load_state_dict(initial)
+        criterion = None
+        if on & {"fused_loss", "liger_loss"}:
+            criterion = head_loss(model, "liger" if "liger_loss" in on else "ours", sweep.dtype)
         if "fp8_rowwise" in on:  # the rowwise recipe in place of the tensorwise one listed before it
             model = to_float8(model, "rowwise")
         elif "fp8" in on:
@@ -192,12 +209,43 @@ class Mfu(StudyDef):
         _, _, trainer = create_optimized_training_setup(
             model, compile_mode=sweep.compile_mode, compile_scope=sweep.compile_scope, dtype=sweep.dtype,
             device=self.device, tf32=True, compile_loss="loss" in on)
-        return trainer
+        return trainer, criterion
 
     @staticmethod
-    def _step(trainer: Trainer | titan.TitanStep, on: set[str], batch: tuple[Tensor, Tensor]):
+    def _step(trainer: Trainer | titan.TitanStep, on: set[str], batch: tuple[Tensor, Tensor],
+              criterion: Callable[[Tensor, Tensor], Tensor] | None = None):
         with triton_kernels("kernels" in on):
-            return trainer.train_step(batch)
+            return trainer.train_step(batch) if criterion is None else trainer.train_step(batch, criterion)
+
+
+def liger_unavailable(device: str) -> str | None:
+    """Why Liger-Kernel's fused linear cross-entropy cannot run here (None: it can)."""
+    if device != "cuda":
+        return "Liger-Kernel's fused linear cross-entropy is Triton GPU kernels: a CUDA GPU only"
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # noqa: F401
+    except ImportError as err:
+        return f"liger-kernel is not installed ({err})"
+    return None
+
+
+def head_loss(model: nn.Module, which: str, dtype: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """The model's LM head taken out of its forward (an identity in its place: the forward returns the final norm's
+    output) and kept as a module of the model (its weight still trained, decayed and clipped: the same
+    parameters), and the criterion that applies it fused with the cross-entropy: ours (``models.loss``) or
+    Liger-Kernel's. The trainer hands a criterion fp32 hidden states outside its autocast; both run the head's
+    GEMMs in the step's dtype, as the autocast runs the plain head."""
+    head = model.head
+    model.head, model.loss_head = nn.Identity(), head
+    compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if which == "ours":
+        return lambda hidden, targets: linear_cross_entropy(hidden, head.weight, targets, dtype=compute)
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    def liger(hidden: Tensor, targets: Tensor) -> Tensor:
+        return liger_fused_linear_cross_entropy(hidden.flatten(0, 1).to(compute), head.weight.to(compute),
+                                                targets.flatten())
+    return liger
 
 
 

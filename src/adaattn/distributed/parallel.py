@@ -247,3 +247,26 @@ def exposed_communication(kernels: list[tuple[str, int, int]]) -> dict[str, floa
         exposed += (end - start) - covered
     span = (max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)) if kernels else 0
     return {"comm_ms": sum(e - s for s, e in comm) / 1e6, "exposed_ms": exposed / 1e6, "span_ms": span / 1e6}
+
+
+def collective_kernels(kernels: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """A trace's collective (NCCL) kernels, (name, start ns, duration ns), in the order they started."""
+    return sorted((k for k in kernels if "nccl" in k[0].lower()), key=lambda k: k[1])
+
+
+def collective_skew(ranks: list[list[tuple[str, int, int]]]) -> dict[str, float] | None:
+    """Each rank's collective kernels of the same traced steps (``collective_kernels``), matched across ranks by
+    name and order: where a collective's time goes. A collective kernel runs from its launch on a rank until every
+    rank has joined and the data has moved, so the rank that joins last runs it for about the transfer alone:
+    ``wire_ms`` sums, over the collectives, the shortest duration among the ranks; ``wait_ms`` is the largest
+    rank's sum of its durations beyond that (time spent waiting for another rank to arrive); ``skew_ms`` sums the
+    spread of the collectives' start times across ranks (hosts clock the events; on one machine they share a
+    clock). None where the ranks' collectives do not match (a rank traced others)."""
+    if len(ranks) < 2 or any(len(r) != len(ranks[0]) for r in ranks):
+        return None
+    if any(r[i][0] != ranks[0][i][0] for r in ranks for i in range(len(r))):
+        return None
+    wire = sum(min(r[i][2] for r in ranks) for i in range(len(ranks[0])))
+    wait = max(sum(k[2] for k in r) for r in ranks) - wire
+    skew = sum(max(r[i][1] for r in ranks) - min(r[i][1] for r in ranks) for i in range(len(ranks[0])))
+    return {"wire_ms": wire / 1e6, "wait_ms": wait / 1e6, "skew_ms": skew / 1e6, "collectives": len(ranks[0])}

@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from adaattn.distributed.layout import load_run_params
 from adaattn.errors import ConfigError
-from adaattn.distributed.parallel import (RankStats, check_layout, exposed_communication, gather_stats, init_mesh,
-                                         parallelize)
+from adaattn.distributed.parallel import (RankStats, check_layout, collective_kernels, collective_skew,
+                                         exposed_communication, gather_stats, init_mesh, parallelize)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -193,7 +193,11 @@ def main(
             kernels = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
                        if e.device_type() == torch.autograd.DeviceType.CUDA]
             comm = [None] * dist.get_world_size()
-            dist.all_gather_object(comm, {**exposed_communication(kernels), "steps": trace_steps})
+            dist.all_gather_object(comm, {**exposed_communication(kernels), "steps": trace_steps,
+                                          "collectives": collective_kernels(kernels)})
+            # waiting for the other ranks, or for the wire: the ranks' collectives side by side (issue 67)
+            skew = collective_skew([r.pop("collectives") for r in comm])
+            comm = [{**r, **({} if skew is None else {f"skew_{k}": v for k, v in skew.items()})} for r in comm]
         digest = weights_digest(net)
         if save is not None:
             checkpoint(save, net, optimizer, done + warmup + steps + (trace_steps if comm else 0))
