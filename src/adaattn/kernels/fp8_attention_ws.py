@@ -1,5 +1,6 @@
-"""The 8-bit attention forward warp-specialized in Gluon, for Hopper (issue 68): work in progress, not yet run on a
-GPU and not yet used by ``fp8_attention`` or AdaAttention; the precision study does not measure it yet.
+"""The 8-bit attention forward warp-specialized in Gluon, for Hopper (issue 68): work in progress, correct on an H200
+and slower there than the Triton kernel (docs/notebook.md, 2026-11-29), so not used by ``fp8_attention`` or
+AdaAttention; the precision study does not measure it.
 
 Why: the Triton kernel (``kernels.fp8_attention``) reaches about cuDNN bf16's speed, where FlashAttention-3's FP8
 forward reaches 1.45-1.56x its bf16 by warp specialization: producer warps on TMA, consumer warpgroups on the
@@ -14,9 +15,10 @@ not warp-specialize on Hopper; Gluon lets a kernel do it by hand (``gl.warp_spec
 - Inputs and output as ``fp8_attention_fwd``'s, from the same ``quantize_kv`` (int8 Q·K, P·V in FP8).
 
 Compiled for sm_90 on a CPU (``sm90_ptx``; Triton 3.9: no local memory, int8 and e4m3 wgmma); the GPU box runs
-Triton 3.6, whose TMA load is ``async_copy_global_to_shared`` (3.9: ``async_load``): one alias serves both. Not
-done: the two consumer warpgroups taking turns (FA3's ping-pong), the next block's Q·K issued before this block's
-softmax, the quantization pass fused into the producer, a custom op.
+Triton 3.6, whose TMA load is ``async_copy_global_to_shared`` (3.9: ``async_load``): one alias serves both. Tried
+on the H200 and slower still (the notebook, same date): a partition per consumer warpgroup with the next block's
+Q·K issued before this block's softmax, and the exponential on the FMA units. Not done: FA3's ping-pong between the
+warpgroups, the quantization pass fused into the producer, a custom op.
 """
 
 from __future__ import annotations
@@ -168,8 +170,11 @@ def fp8_attention_ws(q: Tensor, kv: FP8KV, causal: bool, scale: float, block_m: 
         raise ValueError("fp8_attention_ws: kv must come from quantize_kv with qk_int8=True and pv_fp8=True")
     k_layout = gl.NVMMASharedLayout.get_default_for([BN, D], gl.int8)
     v_layout = gl.NVMMASharedLayout.get_default_for([D, BN], gl.float8e4nv)
+    vt = kv.v.view(B * G * D, Skv)
+    if Skv % 16:  # TMA wants 16-byte row strides: V^T's rows padded (a copy, for ragged lengths only)
+        vt = torch.nn.functional.pad(vt, (0, -Skv % 16))[:, :Skv]
     k_desc = TensorDescriptor.from_tensor(kv.k.view(B * G * Skv, D), [BN, D], k_layout)
-    v_desc = TensorDescriptor.from_tensor(kv.v.view(B * G * D, Skv), [D, BN], v_layout)
+    v_desc = TensorDescriptor.from_tensor(vt, [D, BN], v_layout)
     out = torch.empty(B, H, S, D, dtype=q.dtype, device=q.device)
     nq = triton.cdiv(S, block_m)
     _fp8_attention_ws_kernel[(nq, B * H)](
