@@ -235,3 +235,66 @@ def test_the_quality_run_prices_int8_and_int4_on_a_trained_model(tmp_path):
 def test_bad_quality_and_int4_keys_are_named(update, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _params(update)
+
+
+LTM = {"model": "ltm_tiny", "prompt_len": 10, "new_tokens": 12}  # decode positions 10..20: a segment ends at 16
+
+
+def _ltm_params():
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["models"]["ltm_tiny"] = {**raw["models"]["ltm_small"], "dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1,
+                                 "vocab_size": 64, "mlp": "gelu", "norm": "layernorm", "segment_len": 8,
+                                 "memory_slots": 4, "memory_compression": 4}
+    raw["models"]["dense_small"].update({"dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 64, "mlp": "gelu",
+                                         "norm": "layernorm"})
+    raw["G3-T3"]["cpu"] = {**TOY, "batches": [1], "configs": ["flash"], "ltm": LTM}
+    return validate(raw)
+
+
+def test_the_ltm_preset_decodes_eager_and_compiled_over_a_segment_end(monkeypatch, tmp_path):
+    """Issue 66's LTM rows: generate's time a token with the step eager and compiled (CUDA graphs' mode), the same
+    greedy tokens, and the compiled step's graphs few whatever the position and the bank's size."""
+    from adaattn_experiments.inference.report import ltm_table
+    from adaattn_experiments.inference.study import STUDY
+
+    compile_, modes = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **k: modes.append((mode, k)) or
+                        compile_(fn, backend="eager"))
+    params = _ltm_params()
+    df = pd.DataFrame(STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
+    ltm = df[df.phase == "ltm"]
+    assert (ltm.status == "ok").all(), ltm[ltm.status != "ok"]
+    at = ltm.set_index(["metric", "provider"])["value"]
+    assert at["generate_ms_per_token", "ltm_eager"] > 0 and at["generate_ms_per_token", "ltm_compiled"] > 0
+    assert at["tokens_agree", "ltm_compiled"] == 1.0  # fp32, the same ops: the same greedy tokens
+    # the step, and what follows the host's part of it: two here (before the bank's buffers were at capacity, a
+    # graph a position and bank size)
+    assert 1 <= at["graphs", "ltm_compiled"] <= 3
+    assert ("reduce-overhead", {}) in modes  # CUDA graphs' mode, not fullgraph (the bank's write breaks it)
+    assert "| ltm_tiny" in ltm_table(df.assign(target="cpu"))
+
+
+@pytest.mark.parametrize("update, message", [
+    ({"model": "dense_small"}, "G3-T3.cpu.ltm.model 'dense_small' is not an LTM preset (no memory_slots)"),
+    ({"prompt_len": 18, "new_tokens": 4}, "G3-T3.cpu.ltm: no segment ends among the decode steps"),
+])
+def test_bad_ltm_keys_are_named(update, message):
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["models"]["ltm_tiny"] = {**raw["models"]["ltm_small"], "segment_len": 16, "memory_slots": 8}
+    raw["G3-T3"]["cpu"] = {**TOY, "ltm": {**LTM, **update}}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(raw)
+
+
+def test_ltm_rows_that_fail_are_a_row_that_says_why_and_keep_the_rest(monkeypatch):
+    from adaattn_experiments.inference import study as inference
+
+    def fail(self, params, sweep):
+        raise RuntimeError("cudagraphs went wrong")
+
+    monkeypatch.setattr(inference.Inference, "_ltm_rows", fail)
+    params = _ltm_params()
+    df = pd.DataFrame(inference.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
+    ltm = df[df.phase == "ltm"]
+    assert len(ltm) == 1 and ltm.status.iloc[0] == "error" and "cudagraphs went wrong" in ltm.reason.iloc[0]
+    assert (df[(df.phase == "decode") & (df.metric == "side_by_side_ms")].status == "ok").all()

@@ -210,3 +210,31 @@ def test_ltm_decoding_goes_in_order():
     prefill(model, _tokens(2, 5))
     with pytest.raises(ValueError, match="input_pos must continue from the 5 tokens read so far"):
         model(_tokens(2, 1), input_pos=torch.tensor([7]))
+
+
+@torch.no_grad()
+def test_a_compiled_ltm_step_is_one_graph_whatever_the_position(pytorch_rotary):
+    """A compiled one-token step over segment ends and a full bank: the eager step's logits every token, and the
+    graphs dynamo made by the second token are all it makes (the bank is written outside the graph, its buffers
+    at capacity from the start; before, a graph a position and a bank size)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from adaattn.models.generate import decode_one, prefill, setup_kv_cache
+
+    torch._dynamo.reset()
+    model, twin = _ltm().eval(), _ltm().eval()
+    seq = _tokens(2, 44, seed=3)
+    for m in (model, twin):
+        setup_kv_cache(m, batch=2)
+        prefill(m, seq[:, :13])
+    counter = CompileCounter()
+    step = torch.compile(decode_one, backend=counter)
+    graphs = []
+    for t in range(13, 44):  # segment ends at 16, 24, 32, 40; the bank (6 slots) full from the second
+        pos = torch.tensor([t])
+        torch.testing.assert_close(step(model, seq[:, t:t + 1], pos), decode_one(twin, seq[:, t:t + 1], pos),
+                                   atol=1e-5, rtol=1e-5)
+        graphs.append(counter.frame_count)
+    assert graphs[1] == graphs[-1]
+    assert model.get_memory_stats()["filled"] == [6, 6]
+    torch._dynamo.reset()

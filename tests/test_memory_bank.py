@@ -128,11 +128,11 @@ def test_memory_by_context_and_the_trained_models_quality(tmp_path):
     assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["case_id", "metric", "reason"]]
     mem = memory_table(df).set_index("context")
     assert list(mem.index) == [64, 256]
-    # the standard model's cache grows with the context; the LTM decoder's state stops growing once its banks are
-    # full (four segments of 16 write 16 slots into 8): per layer a segment's k and v (1 kv head of 16) and inputs
-    # (16 x 32), the bank (8 x 32) and its k and v, fp32; and the segment's 16 int64 positions for its masks
+    # the standard model's cache grows with the context; the LTM decoder's state is allocated at the bank's
+    # capacity (8 slots) from the start: per layer a segment's k and v (1 kv head of 16) and inputs (16 x 32), the
+    # bank (8 x 32) and its k and v, fp32; the 8 + 16 int64 column numbers of its masks and the slots in use
     assert mem.loc[256, "kv_cache"] == pytest.approx(4 * mem.loc[64, "kv_cache"])
-    per_layer = (2 * 16 * 16 + 16 * 32 + 8 * 32 + 2 * 8 * 16) * 4 + 16 * 8
+    per_layer = (2 * 16 * 16 + 16 * 32 + 8 * 32 + 2 * 8 * 16) * 4 + (8 + 16) * 8 + 8
     assert mem.loc[64, "segment_cache"] == mem.loc[256, "segment_cache"] == pytest.approx(2 * per_layer / 2**20)
     # the math backend keeps the scores: above the fused backend at the longer context
     assert mem.loc[256, "math"] > mem.loc[256, "fused"]

@@ -48,7 +48,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         verdicts += decode_goal_verdicts(frame, runs[runs["target"] == target], copy.get(target), target in cpus,
                                          ratios[ratios["target"] == target])
     md = prose(__file__, "g3_t3", table=md_table(pd.DataFrame(table)) if table else "no results",
-               quality=quality_table(ok))
+               quality=quality_table(ok), ltm=ltm_table(runs))
     return [Section("G3-T3", "Inference Performance (prefill, decode, KV cache, INT8, CUDA graphs)", md, verdicts)]
 
 
@@ -69,6 +69,24 @@ def quality_table(ok: pd.DataFrame) -> str:
                              "change": "-" if variant == "full" else f"{change:+.5f} ({change / loss['full']:+.3%})",
                              "note": frame.set_index("provider")["reason"][variant]})
     return md_table(pd.DataFrame(rows)) if rows else "no quality run (G3-T3.<profile>.quality)"
+
+
+def ltm_table(runs: pd.DataFrame) -> str:
+    """The LTM preset's decode (``G3-T3.<profile>.ltm``): generate's time a token with the step eager and compiled,
+    the compiled step's graphs and greedy tokens against the eager step's."""
+    ltm = runs[runs["phase"] == "ltm"]
+    rows = []
+    for (target, model), frame in ltm.groupby(["target", "model"], sort=False):
+        at = frame[frame["status"] == "ok"].set_index(["metric", "provider"])["value"]
+        eager, compiled = (at.get(("generate_ms_per_token", c)) for c in ("ltm_eager", "ltm_compiled"))
+        bad = frame[frame["status"] != "ok"]
+        rows.append({"target": target, "model": model, "prompt": fmt(frame["seq_len"].iloc[0]),
+                     "eager ms / token": fmt(eager), "compiled ms / token": fmt(compiled),
+                     "compiled speedup": f"{eager / compiled:.2f}x" if eager and compiled else "-",
+                     "graphs": fmt(at.get(("graphs", "ltm_compiled"))),
+                     "tokens agree": fmt(at.get(("tokens_agree", "ltm_compiled"))),
+                     "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
+    return md_table(pd.DataFrame(rows)) if rows else "no LTM decode run (G3-T3.<profile>.ltm)"
 
 
 def decode_goal() -> DecodeGoals:

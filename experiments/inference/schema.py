@@ -22,6 +22,18 @@ class QualityRun(TrainSchedule):
     model: str  # a preset of `models`
 
 
+class LTMDecode(_Section):
+    """Issue 66's LTM decode under CUDA graphs: ``model`` (an LTM preset, ``memory_slots``) at batch 1, the README's
+    ``generate`` for ``new_tokens`` after a prompt of ``prompt_len``, a segment's end among the new tokens (the bank
+    written between steps), with the step eager (``ltm_eager``) and compiled with CUDA graphs (``ltm_compiled``:
+    ``torch.compile(decode_one, mode="reduce-overhead")``, not ``fullgraph``: the bank's write runs on the host
+    between graphs); the compiled step's dynamo graphs."""
+
+    model: str  # a preset of `models` with memory_slots
+    prompt_len: PositiveInt
+    new_tokens: Annotated[int, Field(ge=2)]  # a decode step at least: generate's first token is the prefill's
+
+
 class InferenceSweep(_Section):
     """G3-T3 and issues 48 and 66's decode goals: a dense decoder's prefill and decode in each of ``configs`` at
     each of ``batches``, side by side per batch. Eager, the model's own layers (the guide's ladder): ``base``
@@ -43,6 +55,7 @@ class InferenceSweep(_Section):
     dtype: Literal["bf16", "fp32"] = "bf16"
     int4_group_size: Literal[32, 64, 128, 256] = 64  # INT4: input columns sharing a scale and an offset
     quality: QualityRun | None = None  # INT8 and INT4's validation-loss price on a trained preset (None: not run)
+    ltm: LTMDecode | None = None  # an LTM preset's decode, eager and under CUDA graphs (None: not run)
     side_by_side: Rounds
     seed: NonNegativeInt = 0
 
@@ -94,3 +107,21 @@ def check(params) -> None:
                 raise ValueError(f"G3-T3.{profile}.model {run.model!r}: {err}") from None
             if run.quality is not None:
                 check_preset(params, f"G3-T3.{profile}.quality", run.quality.model, run.quality.seq_len)
+            if run.ltm is not None:
+                check_ltm(params, f"G3-T3.{profile}.ltm", run.ltm)
+
+
+def check_ltm(params, where: str, run: LTMDecode) -> None:
+    """An LTM preset, and a segment's end among the decode steps (positions prompt_len .. prompt_len + new_tokens
+    - 2: generate's first new token comes from the prefill)."""
+    from adaattn.models.generate import check_decodable
+
+    check_preset(params, where, run.model, run.prompt_len + run.new_tokens)
+    cfg = params.models[run.model]
+    if cfg.memory_slots is None:
+        raise ValueError(f"{where}.model {run.model!r} is not an LTM preset (no memory_slots)")
+    check_decodable(cfg)
+    L, P, N = cfg.segment_len, run.prompt_len, run.new_tokens
+    if (P + N - 1) // L == P // L:
+        raise ValueError(f"{where}: no segment ends among the decode steps (prompt_len={P}, new_tokens={N}, "
+                         f"models.{run.model}.segment_len={L}): the new tokens must cross a multiple of {L}")

@@ -28,10 +28,11 @@ from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
 from adaattn_experiments.common.fit import fit, val_loss
-from adaattn_experiments.inference.schema import InferenceSweep, QualityRun
+from adaattn_experiments.inference.schema import InferenceSweep, LTMDecode, QualityRun
 from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import build_model
-from adaattn.models.generate import clear_kv_cache, decode_one, generate, prefill, setup_kv_cache
+from adaattn.models.generate import (clear_kv_cache, decode_one, generate, prefill, reset_kv_cache,
+                                     setup_kv_cache)
 from adaattn.models.quant import quantize_weight_only
 from adaattn.models.data import batch as windows
 from adaattn.models.data import load_corpus
@@ -134,9 +135,59 @@ class Inference(StudyDef):
                           "phase": phase, "provider": c, "mode": "fwd", "metric": "side_by_side_ms", "value": None,
                           "unit": "ms", "status": "unavailable", "reason": why} for phase in ("prefill", "decode")]
             torch._dynamo.reset()  # a fresh cache per batch: the compiled decode's graphs are per shape
+        if sweep.ltm is not None:
+            try:
+                rows += self._ltm_rows(params, sweep)
+            except Exception as err:  # noqa: BLE001 - the LTM rows failing on a GPU keep the rows above: a row says why
+                from adaattn.errors import classify_error
+
+                status, why = classify_error(err)
+                torch._dynamo.reset()
+                rows.append({"table_id": "G3-T3", "case_id": f"G3-T3/{sweep.ltm.model}-b1-p{sweep.ltm.prompt_len}/ltm",
+                             "kernel": "", "model": sweep.ltm.model, "batch": 1, "seq_len": sweep.ltm.prompt_len,
+                             "phase": "ltm", "mode": "fwd", "provider": "ltm_compiled",
+                             "metric": "generate_ms_per_token", "value": None, "unit": "ms", "status": status,
+                             "reason": why})
         if sweep.quality is not None:
             del models
             rows += self._quality_rows(params, sweep)
+        return rows
+
+    def _ltm_rows(self, params: Params, sweep: InferenceSweep) -> list[dict]:
+        """Issue 66's LTM decode: the README's ``generate`` a token at batch 1 over a segment's end, the step eager
+        and compiled with CUDA graphs, the same weights; the compiled step's dynamo graphs, and how many of its
+        greedy tokens are the eager step's."""
+        run: LTMDecode = sweep.ltm
+        cfg, P, N = params.models[run.model], run.prompt_len, run.new_tokens
+        self.note(f"ltm: {run.model} generating {N} tokens after {P}, over a segment end, eager and compiled")
+        torch.manual_seed(sweep.seed)
+        model = build_model(cfg, device=self.device).to(DTYPES[sweep.dtype]).eval().requires_grad_(False)
+        g = torch.Generator().manual_seed(sweep.seed)
+        prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=g).to(self.device)
+        setup_kv_cache(model, 1, dtype=DTYPES[sweep.dtype])
+        base = {"table_id": "G3-T3", "case_id": f"G3-T3/{run.model}-b1-p{P}/ltm", "kernel": "", "model": run.model,
+                "batch": 1, "seq_len": P, "phase": "ltm", "mode": "fwd"}
+        rows, tokens = [], {}
+        for config in ("ltm_eager", "ltm_compiled"):
+            torch._dynamo.reset()
+            # not fullgraph: the host's part of a step (the order check, the bank's write) runs between graphs
+            decode = torch.compile(decode_one, mode="reduce-overhead") if config == "ltm_compiled" else decode_one
+            kept, before = {}, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            with torch.no_grad():
+                ms = self._generate_ms(model, decode, prompt, N, kept)
+            tokens[config] = kept["tokens"][:, P:]
+            rows.append({**base, "provider": config, **ms, "reason": ms["reason"] + ", a segment's end among them"})
+            if config == "ltm_compiled":
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+                rows.append({**base, "provider": config, "metric": "graphs", "value": graphs, "unit": "graphs",
+                             "status": "ok", "reason": "dynamo's graphs over the loops, every position and bank "
+                             "size met"})
+        same = (tokens["ltm_compiled"] == tokens["ltm_eager"]).float().mean().item()
+        rows.append({**base, "provider": "ltm_compiled", "metric": "tokens_agree", "value": same, "unit": "fraction",
+                     "status": "ok", "reason": f"the compiled step's greedy tokens equal to the eager step's, of {N} "
+                     f"(in {sweep.dtype}, a near tie can turn one, and the rest follow)"})
+        clear_kv_cache(model)
+        torch._dynamo.reset()
         return rows
 
     def _quality_rows(self, params: Params, sweep: InferenceSweep) -> list[dict]:
@@ -268,17 +319,22 @@ class Inference(StudyDef):
         return {**row, "value": count_kernels(prof.events()), "status": "ok",
                 "reason": "device-side events of one step's trace, copies and memsets left out"}
 
-    def _generate_ms(self, model: nn.Module, decode, prompt: Tensor, N: int) -> dict:
+    def _generate_ms(self, model: nn.Module, decode, prompt: Tensor, N: int, keep: dict | None = None) -> dict:
         """The README's loop (``generate`` with the compiled step) a token: its time for N new tokens less its
-        time for one (the prefill and the first token), over N - 1, each the fastest of ``GENERATE_REPEATS``."""
+        time for one (the prefill and the first token), over N - 1, each the fastest of ``GENERATE_REPEATS``.
+        The caches start over before each loop (an LTM model's must: its decoding goes in order); ``keep``
+        gets the last N-token loop's tokens (``keep["tokens"]``)."""
         def run(n: int) -> float:
             best = float("inf")
             for _ in range(GENERATE_REPEATS):
+                reset_kv_cache(model)
                 self._sync()
                 start = time.perf_counter()
-                generate(model, prompt, n, decode=decode)
+                out = generate(model, prompt, n, decode=decode)
                 self._sync()
                 best = min(best, time.perf_counter() - start)
+                if keep is not None and n == N:
+                    keep["tokens"] = out
             return best * 1e3
 
         if N < 2:

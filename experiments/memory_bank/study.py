@@ -138,16 +138,16 @@ class MemoryBank(StudyDef):
                                  "its peak over the weights (the banks included)"))
             rows.append(self._state(base, "segment_cache", model, tokens, prefill_first=True,
                                     reason="the LTM decoder's state after prefilling the context: each layer's "
-                                    "segment cache (keys, values, inputs) and bank with its keys and values "
-                                    "(ltm.SegmentCache's tensors)"))
+                                    "segment cache (keys, values, inputs) and bank with its keys and values, "
+                                    "allocated at the bank's capacity (ltm.SegmentCache's buffers)"))
         del model
         return rows
 
     def _state(self, base: dict, provider: str, model, tokens: torch.Tensor, prefill_first: bool,
                reason: str) -> dict:
         """The bytes a decoder keeps between tokens: its caches as ``setup_kv_cache`` makes them for the context
-        (a standard model's hold every position from the start), after a prefill of the context where the state
-        grows with what it read (an LTM model's)."""
+        (a standard model's hold every position from the start; an LTM model's, a segment and the bank's
+        capacity), after a prefill of the context where ``prefill_first``."""
         from adaattn.errors import classify_error
         from adaattn.models.generate import clear_kv_cache, prefill, setup_kv_cache
 

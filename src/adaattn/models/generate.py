@@ -3,7 +3,8 @@ pattern: preallocated (B, G, max, D) buffers written in place at the tokens' pos
 the same shapes at every position and compiles to one graph, which ``reduce-overhead`` can replay as a CUDA
 graph), prefill, one-token decode and greedy or sampled generation. An LTM model (``memory_slots``) decodes
 with a ``models.ltm.SegmentCache`` per layer instead: the current segment's keys and values and the bank, a
-state of constant size whatever the context (eager: its bank changes size a segment at a time).
+state of constant size whatever the context, allocated at the bank's capacity (its one-token step compiles to one
+graph too).
 
 Shapes: B batch, S new tokens, G kv heads, D head dim, M the cache's length (``max_seq_len``).
 """
@@ -57,10 +58,18 @@ def setup_kv_cache(model: nn.Module, batch: int, max_seq_len: int | None = None,
     for layer in _attention_layers(model):
         if cfg.memory_slots is not None:  # LTM: a segment's cache and the bank, whatever max_seq_len
             layer.cache = SegmentCache(batch, cfg.kv_heads, cfg.segment_len, cfg.head_dim, cfg.dim,
-                                       dtype or weight.dtype, weight.device)
+                                       model.memory_capacity, dtype or weight.dtype, weight.device)
         else:
             layer.cache = KVCache(batch, layer.n_kv_heads, M, cfg.head_dim, dtype or weight.dtype, weight.device,
                                   cfg.attention_window)
+
+
+def reset_kv_cache(model: nn.Module) -> None:
+    """Start the caches over without new buffers (a compiled step's graphs keep theirs): an LTM model's segment
+    caches forget what they read; a KV cache needs nothing (a prefill from position 0 overwrites it)."""
+    for layer in _attention_layers(model):
+        if isinstance(layer.cache, SegmentCache):
+            layer.cache.reset()
 
 
 def clear_kv_cache(model: nn.Module) -> None:

@@ -82,37 +82,66 @@ def segment_mask(n_slots: int, S: int, device) -> Tensor:
 
 
 class SegmentCache(nn.Module):
-    """An LTM layer's decoding state, of constant size whatever the context: the current segment's keys and
-    values (B, G, S, D) each and the layer's inputs for it (B, S, E, what the compressor writes to the bank once
-    the segment is complete), and the bank of past segments (B, N, E) with its keys and values (B, G, N, D),
-    computed once a segment, when the bank changes. ``seen``: the tokens read so far (decoding goes in order)."""
+    """An LTM layer's decoding state, of constant size whatever the context and allocated at the bank's capacity C
+    from the start, so that a one-token step has the same shapes at every position (one graph; a CUDA graph under
+    ``reduce-overhead``):
 
-    def __init__(self, batch: int, kv_heads: int, segment_len: int, head_dim: int, dim: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None):
+    - ``keys`` / ``values`` (B, G, C + S, D): the bank's slots' first (the first ``filled`` in use), then the
+      current segment's;
+    - ``inputs`` (B, S, E): the layer's inputs for the segment, which the compressor writes to the bank once the
+      segment is complete; ``bank`` (B, C, E): the slots' states;
+    - ``filled``: the slots in use, on the host (the bank is written from the host, once a segment) and on the
+      device (``n_slots``, which the step's mask reads); ``seen``: the tokens read so far (decoding goes in order).
+    """
+
+    def __init__(self, batch: int, kv_heads: int, segment_len: int, head_dim: int, dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
         super().__init__()
-        self.register_buffer("k", torch.zeros(batch, kv_heads, segment_len, head_dim, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("v", torch.zeros_like(self.k), persistent=False)
+        self.capacity = capacity
+        kv = torch.zeros(batch, kv_heads, capacity + segment_len, head_dim, dtype=dtype, device=device)
+        self.register_buffer("keys", kv, persistent=False)
+        self.register_buffer("values", torch.zeros_like(kv), persistent=False)
         self.register_buffer("inputs", torch.zeros(batch, segment_len, dim, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("slots", torch.arange(segment_len, device=device), persistent=False)
-        self.bank = torch.zeros(batch, 0, dim, dtype=dtype, device=device)
-        self.bank_kv: tuple[Tensor, Tensor] | None = None
+        self.register_buffer("bank", torch.zeros(batch, capacity, dim, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("n_slots", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("columns", torch.arange(capacity + segment_len, device=device), persistent=False)
+        self.filled = 0
         self.seen = 0
 
+    @property
+    def k(self) -> Tensor:
+        """The segment's keys (B, G, S, D)."""
+        return self.keys[:, :, self.capacity:]
+
     def update(self, offsets: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Write k, v (B, G, n, D) at the segment's ``offsets`` (n,); the keys and values to attend, the bank's then
-        the segment's, and the (n, N + S) mask: every slot, the segment causally."""
-        self.k.index_copy_(2, offsets, k.to(self.k.dtype))
-        self.v.index_copy_(2, offsets, v.to(self.v.dtype))
-        mask = self.slots[None, :] <= offsets[:, None]  # the segment causally
-        if self.bank_kv is None:
-            return self.k, self.v, mask
-        km, vm = self.bank_kv
-        slots = torch.ones(mask.shape[0], km.shape[2], dtype=torch.bool, device=mask.device)
-        return torch.cat([km, self.k], dim=2), torch.cat([vm, self.v], dim=2), torch.cat([slots, mask], dim=1)
+        """Write k, v (B, G, n, D) at the segment's ``offsets`` (n,); the keys and values to attend (the bank's
+        slots, then the segment's) and the (n, C + S) mask: the slots in use, the segment causally."""
+        C = self.capacity
+        self.keys.index_copy_(2, offsets + C, k.to(self.keys.dtype))
+        self.values.index_copy_(2, offsets + C, v.to(self.values.dtype))
+        seg = self.columns - C  # a column's offset in the segment (negative: a slot)
+        mask = (self.columns < self.n_slots)[None, :] | ((seg >= 0)[None, :] & (seg[None, :] <= offsets[:, None]))
+        return self.keys, self.values, mask
+
+    def memory(self) -> Tensor:
+        """The slots in use (B, N, E)."""
+        return self.bank[:, : self.filled]
+
+    def set_bank(self, bank: Tensor, k: Tensor, v: Tensor) -> None:
+        """The bank's new slots (B, N, E), N <= C, with their keys and values (B, G, N, D)."""
+        n = bank.shape[1]
+        self.bank[:, :n] = bank.to(self.bank.dtype)
+        self.keys[:, :, :n] = k.to(self.keys.dtype)
+        self.values[:, :, :n] = v.to(self.values.dtype)
+        self.filled = n
+        self.n_slots.fill_(n)
+
+    def reset(self) -> None:
+        """Forget what was read, in place (a compiled step keeps its buffers): no token seen, no slot in use."""
+        self.seen = self.filled = 0
+        self.n_slots.zero_()
 
     def state_bytes(self) -> int:
-        """The bytes this layer keeps between tokens: its buffers, the bank and the bank's keys and values."""
-        held = [*self.buffers(), self.bank, *(self.bank_kv or ())]
-        return sum(t.numel() * t.element_size() for t in held)
+        """The bytes this layer keeps between tokens: its buffers (the bank's at its capacity)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())

@@ -314,37 +314,66 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         return self.head(self.norm(x))
 
     def _decode_segments(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
-        """LTM decoding, the same function as ``_segments`` over the whole prefix: the tokens in chunks that stay
-        within a segment, each layer attending over its bank and its segment cache; once a segment is complete,
-        every layer's inputs for it are compressed into its bank. In order only: ``input_pos`` must continue from
-        the tokens read so far (the bank holds their past). Eager: the bank's size changes a segment at a time."""
-        cfg, B, S = self.cfg, *tokens.shape
+        """LTM decoding, the same function as ``_segments`` over the whole prefix: each layer attends over its bank
+        and its segment cache; once a segment is complete, every layer's inputs for it are compressed into its
+        bank. In order only: ``input_pos`` must continue from the tokens read so far (the bank holds their past).
+
+        One token a call (``generate``'s steps) has the same shapes at every position: the host's part (the order
+        check, the token count, the bank's write at a segment's end) runs outside the graph, before and after
+        the step (``torch.compiler.disable``), so a compiled step is one graph whatever the position. Longer calls
+        (a prefill) go in chunks that stay within a segment, eagerly."""
         caches: list[SegmentCache] = [block.attn.cache for block in self.blocks]
-        first = int(input_pos[0])
-        if first != caches[0].seen or not torch.equal(input_pos.cpu(), torch.arange(first, first + S)):
-            raise ValueError(f"input_pos must continue from the {caches[0].seen} tokens read so far, one after "
-                             f"another; got {input_pos.tolist()[:4]}...")
+        if tokens.shape[1] == 1:
+            self._ltm_check_order(caches, input_pos)
+            logits = self._decode_segment_chunk(tokens, input_pos % self.cfg.segment_len, caches)
+            self._ltm_advance(caches, 1)
+            return logits
+        cfg, S = self.cfg, tokens.shape[1]
+        first = self._ltm_check_order(caches, input_pos)
         outs, start = [], 0
         while start < S:
             offset = (first + start) % cfg.segment_len
             n = min(S - start, cfg.segment_len - offset)
             offsets = torch.arange(offset, offset + n, device=tokens.device)
-            x = self.embed(tokens[:, start:start + n])
-            if self.pos is not None:  # positions count within the segment
-                x = x + self.pos(offsets)
-            for block, cache in zip(self.blocks, caches):
-                cache.inputs[:, offset:offset + n] = x.to(cache.inputs.dtype)
-                x = block(x, offsets.expand(B, n))
-            outs.append(self.head(self.norm(x)))
-            for i, (block, cache) in enumerate(zip(self.blocks, caches)):
-                cache.seen += n
-                if offset + n == cfg.segment_len:  # the segment is complete: into the bank
-                    cache.bank = write(cache.bank, self.compressors[i](cache.inputs), self.memory_capacity,
-                                       cfg.memory_merge)
-                    cache.bank_kv = block.attn.memory_kv(block.norm1(cache.bank))
+            outs.append(self._decode_segment_chunk(tokens[:, start:start + n], offsets, caches))
+            self._ltm_advance(caches, n)
             start += n
-        self.last_memory = [c.bank for c in caches]
         return torch.cat(outs, dim=1)
+
+    def _decode_segment_chunk(self, tokens: Tensor, offsets: Tensor, caches: list[SegmentCache]) -> Tensor:
+        """Tokens (B, n) at ``offsets`` (n,) of the current segment through every layer: logits (B, n, V)."""
+        x = self.embed(tokens)
+        if self.pos is not None:  # positions count within the segment
+            x = x + self.pos(offsets)
+        for block, cache in zip(self.blocks, caches):
+            cache.inputs.index_copy_(1, offsets, x.to(cache.inputs.dtype))
+            x = block(x, offsets.expand(tokens.shape[0], -1))
+        return self.head(self.norm(x))
+
+    @torch.compiler.disable
+    def _ltm_check_order(self, caches: list[SegmentCache], input_pos: Tensor) -> int:
+        """The tokens read so far, after checking that ``input_pos`` continues from them: on the host for a
+        position on the CPU or a longer call, by a device-side assert for one token's position on a GPU (no
+        host sync a token)."""
+        seen, S = caches[0].seen, input_pos.shape[0]
+        if input_pos.device.type != "cpu" and S == 1:
+            torch._assert_async(input_pos[0] == seen, "input_pos must continue from the tokens read so far")
+            return seen
+        if not torch.equal(input_pos.cpu(), torch.arange(seen, seen + S)):
+            raise ValueError(f"input_pos must continue from the {seen} tokens read so far, one after another; got "
+                             f"{input_pos.tolist()[:4]}...")
+        return seen
+
+    @torch.compiler.disable
+    def _ltm_advance(self, caches: list[SegmentCache], n: int) -> None:
+        """``n`` more tokens read; at a segment's end every layer's inputs for it are compressed into its bank."""
+        for i, (block, cache) in enumerate(zip(self.blocks, caches)):
+            cache.seen += n
+            if cache.seen % self.cfg.segment_len == 0:
+                bank = write(cache.memory(), self.compressors[i](cache.inputs), self.memory_capacity,
+                             self.cfg.memory_merge)
+                cache.set_bank(bank, *block.attn.memory_kv(block.norm1(bank)))
+        self.last_memory = [c.memory() for c in caches]
 
     def _routed(self, x: Tensor, aux: list[Tensor]) -> Tensor:
         B, S, _ = x.shape
