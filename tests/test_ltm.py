@@ -216,7 +216,7 @@ def test_ltm_decoding_goes_in_order():
 def test_a_compiled_ltm_step_is_one_graph_whatever_the_position(pytorch_rotary):
     """A compiled one-token step over segment ends and a full bank: the eager step's logits every token, and the
     graphs dynamo made by the second token are all it makes (the bank is written outside the graph, its buffers
-    at capacity from the start; before, a graph a position and a bank size)."""
+    at capacity from the start)."""
     from torch._dynamo.testing import CompileCounter
 
     from adaattn.models.generate import decode_one, prefill, setup_kv_cache

@@ -15,10 +15,8 @@ not warp-specialize on Hopper; Gluon lets a kernel do it by hand (``gl.warp_spec
 - Inputs and output as ``fp8_attention_fwd``'s, from the same ``quantize_kv`` (int8 Q·K, P·V in FP8).
 
 Compiled for sm_90 on a CPU (``sm90_ptx``; Triton 3.9: no local memory, int8 and e4m3 wgmma); the GPU box runs
-Triton 3.6, whose TMA load is ``async_copy_global_to_shared`` (3.9: ``async_load``): one alias serves both. Tried
-on the H200 and slower still (the notebook, same date): a partition per consumer warpgroup with the next block's
-Q·K issued before this block's softmax, and the exponential on the FMA units. Not done: FA3's ping-pong between the
-warpgroups, the quantization pass fused into the producer, a custom op.
+Triton 3.6, whose TMA load is ``async_copy_global_to_shared`` (3.9: ``async_load``): one alias serves both. Not
+done: FA3's ping-pong between the warpgroups, the quantization pass fused into the producer, a custom op.
 """
 
 from __future__ import annotations
