@@ -263,6 +263,37 @@ def test_fp8_rowwise_is_read_against_the_fastest_bf16_config(tmp_path, monkeypat
     assert fp8.verdict == "not measured yet" and "CUTLASS rowwise" in fp8.reason
 
 
+def test_the_goals_read_the_case_at_the_filed_batch(tmp_path, monkeypatch):
+    """mfu.goals.batch names the case a preset's goals are read on: the other case of the preset is shown in the
+    table and casts no verdict; with no batch filed, each case is judged."""
+    from adaattn_experiments.mfu import report
+
+    four = _frame({"plain": 180.0, "kernels": 170.0}, {"kernels": (1.06, 1.05, 1.07)})
+    eight = _frame({"plain": 150.0, "kernels": 160.0}, {"kernels": (0.94, 0.93, 0.95)})
+    eight = eight[eight["case_id"] != "machine"].assign(batch=8, case_id="mfu/llama_1b-b8-s2048")
+    df = pd.concat([four, eight], ignore_index=True)
+    assert len(report.render(df, tmp_path)[0].verdicts) == 6  # both cases judged: no batch filed
+    monkeypatch.setattr(report, "peer_goals", lambda: report.MfuGoals(batch={"llama_1b": 8}))
+    section, _ = report.render(df, tmp_path)
+    mfu, speedup, mfu67 = section.verdicts
+    assert mfu.measured == "66.7% (plain)" and mfu.verdict == "holds" and "at B x S = 8 x 2048" in mfu.reason
+    assert speedup.measured.startswith("1x") and mfu67.verdict == "holds"  # plain was the fastest at 8
+    assert sum(line.startswith("| h100") for line in section.markdown.splitlines()) == 4  # both cases shown
+    monkeypatch.setattr(report, "peer_goals", lambda: report.MfuGoals(batch={"llama_1b": 4}))
+    assert report.render(df, tmp_path)[0].verdicts[0].measured == "58.8% (kernels)"
+
+
+def test_a_goal_batch_without_its_case_names_the_key():
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["mfu"]["goals"]["batch"] = {"llama_1b": 16}
+    with pytest.raises(ConfigError, match=r"goals.batch.llama_1b=16 is not the batch of a gpu case of llama_1b; "
+                                          r"allowed: 4, 8"):
+        validate(raw)
+    raw["mfu"]["goals"]["batch"] = {"dense_small": 2}  # a CPU case's preset: the goals read GPU cases
+    with pytest.raises(ConfigError, match=r"allowed: none \(no gpu case of it\)"):
+        validate(raw)
+
+
 @pytest.mark.parametrize("case, message", [
     ({"configs": ["kernels", "plain"]}, "configs must start with 'plain'"),
     ({"configs": ["plain", "loss", "loss"]}, "configs must start with 'plain' (the baseline) and not repeat one"),

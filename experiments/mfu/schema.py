@@ -60,7 +60,11 @@ class MfuGoals(_Section):
     - ``fp8_speedup`` (filed 2026-11-28 before the first run of ``fp8_rowwise``): ``fp8_rowwise``, the recipe the
       train study prices in validation loss, at least this x the zoo's fastest bf16 config's tokens/s;
     - ``mfu`` (filed 2026-11-28): the best bf16 config's MFU against the bf16 GEMM rate measured in the same run,
-      as ``verdicts.mfu_goals`` reads its own (an earlier goal's) figure.
+      as ``verdicts.mfu_goals`` reads its own (an earlier goal's) figure;
+    - ``batch`` (filed 2026-11-29, before the first run of a second llama_1b case): the batch of the GPU case a
+      preset's goals are read on, these and ``verdicts.mfu_goals`` / ``mfu_speedup`` alike (the issue asks for the
+      batch picked for the GPU; every config of that case, plain and the peer included, runs at it). A preset
+      without one is judged on each of its cases.
 
     A speedup of two configs is read from the rounds' paired ratios to plain, one over the other; its interval the
     quotient of the two ratios' intervals taken at their far ends (wider than a ratio paired directly: no verdict
@@ -69,12 +73,27 @@ class MfuGoals(_Section):
     peer_speedup: dict[str, Annotated[float, Field(gt=0)]] = {"llama_1b": 1.05}
     fp8_speedup: dict[str, Annotated[float, Field(gt=0)]] = {"llama_1b": 1.25}
     mfu: dict[str, Annotated[float, Field(gt=0, le=1)]] = {"llama_1b": 0.62}
+    batch: dict[str, PositiveInt] = {}
+
+
+def judged(goals: MfuGoals, model: str, batch: int) -> bool:
+    """Whether a case of ``model`` at ``batch`` casts the preset's goal verdicts (``MfuGoals.batch``)."""
+    return goals.batch.get(model, batch) == batch
 
 
 class MfuSection(ByProfile):
     cpu: MfuSweep
     gpu: MfuSweep
     goals: MfuGoals = MfuGoals()
+
+    @model_validator(mode="after")
+    def _goal_batch_is_a_case(self) -> MfuSection:
+        for model, batch in self.goals.batch.items():
+            batches = [c.batch for c in self.gpu.cases if c.model == model]
+            if batch not in batches:
+                raise ValueError(f"goals.batch.{model}={batch} is not the batch of a gpu case of {model}; allowed: "
+                                 f"{', '.join(map(str, batches)) or 'none (no gpu case of it)'}")
+        return self
 
 
 SECTIONS = {"mfu": MfuSection}
