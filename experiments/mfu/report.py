@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -54,11 +55,12 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                           "note": "" if ms else f"{row['status']}: {row['reason']}"})
         if not judged(peer_goals(), model, int(frame["batch"].iloc[0])):
             continue  # a preset's goals are read at the batch filed for them (mfu.goals.batch); this case is shown
+        case = _goals(target, case_id, model, hw, fastest and fastest[0], bf16_best, rates["bf16"].get(target),
+                      ratios, target in cpus)
+        case += _issue67_goals(target, case_id, model, hw, frame, bf16_fastest and bf16_fastest[0], bf16_best,
+                               rates["bf16"].get(target), ratios, target in cpus)
         shape = f"at B x S = {int(frame['batch'].iloc[0])} x {int(frame['seq_len'].iloc[0])}"
-        verdicts += _goals(target, case_id, model, hw, fastest and fastest[0], bf16_best, rates["bf16"].get(target),
-                           ratios, target in cpus, shape)
-        verdicts += _issue67_goals(target, case_id, model, hw, frame, bf16_fastest and bf16_fastest[0], bf16_best,
-                                   rates["bf16"].get(target), ratios, target in cpus, shape)
+        verdicts += [replace(v, reason=f"{v.reason}; {shape}" if v.reason else shape) for v in case]
     md = prose(__file__, "g0_t1", table=md_table(pd.DataFrame(table)) if table else "no results")
     return [Section("G0-T1", "MFU goals (training step, compiled, by config)", md, verdicts), _g0_c2(runs)]
 
@@ -83,7 +85,7 @@ def _g0_c2(runs: pd.DataFrame) -> Section:
 
 
 def _mfu_goal(goal: float | None, source: str, model: str, hw: str, bf16: tuple[str, float] | None,
-              rate: float | None, cpu: bool, shape: str = "") -> list[Verdict]:
+              rate: float | None, cpu: bool) -> list[Verdict]:
     """A preset's MFU goal, a bf16 goal: its best bf16 config against the bf16 GEMM rate of the same run."""
     if goal is None:
         return []
@@ -95,15 +97,14 @@ def _mfu_goal(goal: float | None, source: str, model: str, hw: str, bf16: tuple[
         return []
     return [Verdict("G0-T1", claim, f">= {goal:.0%}", f"{bf16[1]:.1%} ({bf16[0]})", hw,
                     judge((bf16[1], bf16[1]), (goal, None), higher_is_better=True),
-                    f"the best bf16 config, {bf16[0]}, of one run{' ' + shape if shape else ''}; GEMM rate "
-                    f"{rate:.0f} TFLOP/s")]
+                    f"the best bf16 config, {bf16[0]}, of one run; GEMM rate {rate:.0f} TFLOP/s")]
 
 
 def _goals(target: str, case_id: str, model: str, hw: str, fastest: str | None, bf16: tuple[str, float] | None,
-           rate: float | None, ratios: pd.DataFrame, cpu: bool, shape: str = "") -> list[Verdict]:
+           rate: float | None, ratios: pd.DataFrame, cpu: bool) -> list[Verdict]:
     """The preset's MFU goal, a bf16 goal, on its best bf16 config against the bf16 GEMM rate (an FP8 config is
     not counted against the bf16 rate); its speedup goal on the fastest config's ratio to plain."""
-    out = _mfu_goal(knobs().mfu_goals.get(model), "", model, hw, bf16, rate, cpu, shape)
+    out = _mfu_goal(knobs().mfu_goals.get(model), "", model, hw, bf16, rate, cpu)
     speedup = knobs().mfu_speedup.get(model)
     if speedup is not None:
         claim = f"{model}: the zoo's best config at least {speedup:g}x plain compiled PyTorch's tokens/s"
@@ -118,8 +119,7 @@ def _goals(target: str, case_id: str, model: str, hw: str, fastest: str | None, 
             r = r.iloc[0].to_dict()
             out.append(Verdict("G0-T1", claim, f">= {speedup:g}x", f"{ratio_text(r)} ({fastest})", hw,
                                judge((r["ci_low"], r["ci_high"]), (speedup, None), higher_is_better=True),
-                               f"plain's step time over {fastest}'s (the fastest config), round by round"
-                               f"{', ' + shape if shape else ''}"))
+                               f"plain's step time over {fastest}'s (the fastest config), round by round"))
     return out
 
 
@@ -130,25 +130,25 @@ def peer_goals() -> MfuGoals:
 
 def _issue67_goals(target: str, case_id: str, model: str, hw: str, frame: pd.DataFrame, best: str | None,
                    bf16: tuple[str, float] | None, rate: float | None, ratios: pd.DataFrame,
-                   cpu: bool, shape: str = "") -> list[Verdict]:
+                   cpu: bool) -> list[Verdict]:
     """Issue 67's goals as ``mfu.goals`` reads them: the best bf16 config's MFU; the zoo's fastest bf16 config
     (``best``) against each peer timed in the case; ``fp8_rowwise`` against that config."""
     goals = peer_goals()
-    out = _mfu_goal(goals.mfu.get(model), " (issue 67)", model, hw, bf16, rate, cpu, shape)
+    out = _mfu_goal(goals.mfu.get(model), " (issue 67)", model, hw, bf16, rate, cpu)
     steps = frame[frame["metric"] == "side_by_side_ms"]
     for peer in [p for p in PEERS if p in set(steps["provider"])] if model in goals.peer_speedup else []:
         out.append(_speedup(f"{model}: the zoo's fastest bf16 config at least {goals.peer_speedup[model]:g}x "
                             f"{peer}'s tokens/s (issue 67)", goals.peer_speedup[model], best, peer, target,
-                            case_id, hw, steps, ratios, cpu, shape))
+                            case_id, hw, steps, ratios, cpu))
     if model in goals.fp8_speedup and "fp8_rowwise" in set(steps["provider"]):
         out.append(_speedup(f"{model}: FP8 training (rowwise) at least {goals.fp8_speedup[model]:g}x the zoo's "
                             "fastest bf16 config's tokens/s (issue 67)", goals.fp8_speedup[model], "fp8_rowwise",
-                            best, target, case_id, hw, steps, ratios, cpu, shape))
+                            best, target, case_id, hw, steps, ratios, cpu))
     return out
 
 
 def _speedup(claim: str, goal: float, fast: str | None, slow: str | None, target: str, case_id: str, hw: str,
-             steps: pd.DataFrame, ratios: pd.DataFrame, cpu: bool, shape: str = "") -> Verdict:
+             steps: pd.DataFrame, ratios: pd.DataFrame, cpu: bool) -> Verdict:
     """``fast``'s tokens/s over ``slow``'s (``slow``'s step time over ``fast``'s), each through its paired ratio
     to plain in the same rounds; the interval the quotient of the two intervals at their far ends."""
     pick = ratios[(ratios["target"] == target) & (ratios["case_id"] == case_id)].set_index("vs")
@@ -164,5 +164,4 @@ def _speedup(claim: str, goal: float, fast: str | None, slow: str | None, target
     value, low, high = a["value"] / b["value"], a["ci_low"] / b["ci_high"], a["ci_high"] / b["ci_low"]
     return Verdict("G0-T1", claim, f">= {goal:g}x", f"{value:.3f} (interval {low:.3f}-{high:.3f}; {fast} over {slow})",
                    hw, judge((low, high), (goal, None), higher_is_better=True),
-                   f"{slow}'s step time over {fast}'s, each through its ratio to plain in the same rounds"
-                   f"{', ' + shape if shape else ''}")
+                   f"{slow}'s step time over {fast}'s, each through its ratio to plain in the same rounds")
