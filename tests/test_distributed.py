@@ -15,7 +15,7 @@ import yaml
 
 from adaattn.distributed.layout import Layout
 from adaattn_pipeline.config import ConfigError, load_raw, validate
-from adaattn.distributed.parallel import MULTICAST_OFF, check_layout, multicast_off
+from adaattn.distributed.parallel import MULTICAST_OFF, check_layout, end_process_group, multicast_off
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 
@@ -195,3 +195,25 @@ def test_multicast_is_forced_off_whatever_the_environment_says():
     assert env == {**MULTICAST_OFF, "OTHER": "x"}
     assert MULTICAST_OFF == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                              "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def test_a_finished_rank_waits_for_the_others_before_its_groups_go_and_a_failed_one_does_not(monkeypatch):
+    import adaattn.distributed.parallel as parallel
+
+    calls = []
+    monkeypatch.setattr(parallel.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(parallel.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    end_process_group(True)
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    end_process_group(False)  # a rank that failed would hang in a barrier on the peers it broke
+    assert calls == ["destroy"]
+    calls.clear()
+
+    def broken():
+        raise RuntimeError("peer gone")
+
+    monkeypatch.setattr(parallel.dist, "barrier", broken)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        end_process_group(True)
+    assert calls == ["destroy"]  # the groups go even when the barrier fails

@@ -10,7 +10,6 @@ across world sizes and with a link's own rate. The ceiling for a data-parallel s
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import typer
 
 from adaattn.distributed.layout import Layout
-from adaattn.distributed.parallel import init_mesh
+from adaattn.distributed.parallel import end_process_group, init_mesh, write_run
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -68,7 +67,7 @@ def main(
         typer.echo(f"error: --mib must be > 0; got {mib}", err=True)
         raise typer.Exit(2)
     world_size = int(os.environ["WORLD_SIZE"])
-    mesh = init_mesh(Layout(world_size=world_size, dp=world_size))  # multicast off, a GPU a rank, NCCL or gloo
+    mesh, finished = init_mesh(Layout(world_size=world_size, dp=world_size)), False  # multicast off, NCCL or gloo
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     try:
         sizes = [measure(m, warmup, iters, device) for m in mib]
@@ -79,11 +78,10 @@ def main(
             for s in sizes:
                 typer.echo(f"all-reduce {s['mib']:.0f} MiB x{run['world_size']}: {s['us']:.0f} us, "
                            f"bus {s['busbw_gbps']:.1f} GB/s", err=True)
-            if out is not None:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(run, indent=1))
+            write_run(out, run)
+        finished = True
     finally:
-        dist.destroy_process_group()
+        end_process_group(finished)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ fullest rank, and the last round's tokens to ``--out``.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -29,7 +28,8 @@ from rich.console import Console
 
 from adaattn.distributed.layout import load_run_params
 from adaattn.errors import ConfigError
-from adaattn.distributed.parallel import check_layout, init_mesh, tensor_parallel
+from adaattn.distributed.parallel import (check_layout, end_process_group, init_mesh, tensor_parallel,
+                                         write_run)
 from adaattn.models.train import DTYPES
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -95,7 +95,7 @@ def main(
     from adaattn.models.transformer import build_model
     from adaattn.models.generate import decode_one, prefill, setup_kv_cache
 
-    mesh = init_mesh(layout)
+    mesh, finished = init_mesh(layout), False
     try:
         cuda = mesh.device_type == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -165,9 +165,8 @@ def main(
             console.print(f"{model} tp={layout.tp} batch {batch_size}: prefill {statistics.median(prefill_ms):.2f} ms, "
                           f"decode {statistics.median(decode_ms):.3f} ms a token ({run['tokens_per_s']:.0f} tokens/s), "
                           f"peak {run['peak_mib_max']:.0f} MiB")
-            if out is not None:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(run, indent=1))
+            write_run(out, run)
+        finished = True
     finally:
         # CUDA graphs that captured NCCL calls are freed before the communicators those calls use
         torch._dynamo.reset()
@@ -176,7 +175,7 @@ def main(
 
             reset_cudagraph_trees()
             torch.cuda.synchronize()
-        dist.destroy_process_group()
+        end_process_group(finished)
 
 
 if __name__ == "__main__":

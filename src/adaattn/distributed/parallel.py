@@ -8,8 +8,10 @@ multi-GPU machines a program that uses it can put the host's GPUs out of service
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -159,6 +161,29 @@ def init_mesh(layout: Layout) -> DeviceMesh:
     else:
         device = "cpu"
     return init_device_mesh(device, (layout.dp, layout.fsdp, layout.tp), mesh_dim_names=MESH_DIMS)
+
+
+def write_run(out: Path | None, run: dict) -> None:
+    """Rank 0's JSON of a run at ``out`` (none: not kept), written beside it and then renamed over it: a run that
+    dies while writing leaves the earlier file whole."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(run, indent=1))
+    tmp.replace(out)
+
+
+def end_process_group(finished: bool) -> None:
+    """Destroy the process groups; when this rank ``finished`` its run, only once every rank has (a barrier), so no
+    rank closes its connections while a peer is still writing its result or mid-collective. A rank that failed
+    leaves at once: a barrier would hang it on the peers it broke. A 2-rank FSDP2 run over gloo once aborted at
+    exit after writing its result (CI, 2026-11-29; docs/notebook.md): the ranks had left one at a time."""
+    try:
+        if finished:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, shard_one: bool = False) -> nn.Module:

@@ -11,7 +11,6 @@ tokens/s and peak memory and the aggregate, and writes them (with the steps' los
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -27,7 +26,8 @@ from torch.distributed.tensor import DTensor
 from adaattn.distributed.layout import load_run_params
 from adaattn.errors import ConfigError
 from adaattn.distributed.parallel import (RankStats, check_layout, collective_kernels, collective_skew,
-                                         exposed_communication, gather_stats, init_mesh, parallelize)
+                                         end_process_group, exposed_communication, gather_stats, init_mesh,
+                                         parallelize, write_run)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -143,7 +143,7 @@ def main(
     from adaattn.models.data import batch, load_corpus
     from adaattn.models.train import Trainer, param_groups
 
-    mesh = init_mesh(layout)
+    mesh, finished = init_mesh(layout), False
     try:
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
             else torch.device("cpu")
@@ -210,11 +210,10 @@ def main(
                    "loaded_weights": loaded, "trace": comm, **stats}
             console.print(f"{model} {layout.model_dump()}: {stats['tokens_per_s']:.0f} tokens/s "
                           f"({stats['tokens_per_s_per_rank']:.0f} a rank), peak {stats['peak_mib_max']:.0f} MiB")
-            if out is not None:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(run, indent=1))
+            write_run(out, run)
+        finished = True
     finally:
-        dist.destroy_process_group()
+        end_process_group(finished)
 
 
 if __name__ == "__main__":
