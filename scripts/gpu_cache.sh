@@ -2,18 +2,23 @@
 # Inductor's and Triton's compile caches kept from one GPU call to the next (each call starts on a bare machine,
 # so every call compiles cold and `max-autotune` does not fit in one; docs/gpu-box.md):
 #
-#   . scripts/gpu_cache.sh restore   # start of a call: the carried .gpu-cache/ (if any) becomes the caches
+#   . scripts/gpu_cache.sh restore   # start of a call: the carried .gpu-cache.tgz and/or .gpu-cache/ (if any)
+#                                    # become the caches
 #   bash scripts/gpu_cache.sh save   # end of a call: the caches as $OUT/gpu-cache.tgz, newest files first, at
 #                                    # most GPU_CACHE_MB (50) before compression
 #
-# Back here: `rm -rf .gpu-cache && mkdir .gpu-cache && tar xzf <files_at>/gpu-cache.tgz -C .gpu-cache`, and the
-# next call carries ".gpu-cache". Both caches key their entries by source, versions and device, so a stale entry is
-# a miss, never a wrong kernel. `restore` exports TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (source it; it sets
-# no shell options in the caller).
+# Back here: `cp <files_at>/gpu-cache.tgz .gpu-cache.tgz`, and the next call carries ".gpu-cache.tgz": compressed
+# (50 MiB of caches are ~8 MiB) it fits beside the wheels (.whl) in what a call may carry (64 MiB with the working
+# tree), where the unpacked folder did not. Both caches key their entries by source, versions and device, so a
+# stale entry is a miss, never a wrong kernel. `restore` exports TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR
+# (source it; it sets no shell options in the caller).
 _root=${GPU_CACHE_ROOT:-/tmp/gpu-cache}
 case "${1:-}" in
   restore)
     mkdir -p "$_root/inductor" "$_root/triton"
+    if [ -f .gpu-cache.tgz ]; then
+      tar xzf .gpu-cache.tgz -C "$_root"
+    fi
     if [ -d .gpu-cache ]; then
       cp -r .gpu-cache/. "$_root/"
     fi

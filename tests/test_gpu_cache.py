@@ -26,6 +26,24 @@ def test_restore_makes_the_carried_caches_the_compile_caches(tmp_path):
     assert "u" not in flags and "e" not in flags  # sourced: no shell option left set in the caller
 
 
+def test_restore_unpacks_the_archive_save_wrote(tmp_path):
+    """The compressed form is what a call carries beside the wheels: what ``save`` wrote, restored as it was."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    (root / "inductor" / "fx").mkdir(parents=True)
+    (root / "inductor" / "fx" / "graph").write_bytes(b"compiled")
+    out.mkdir()
+    saved = _bash(f"bash {SCRIPT} save", tmp_path, GPU_CACHE_ROOT=str(root), OUT=str(out))
+    assert saved.returncode == 0, saved.stderr
+    call = tmp_path / "call"
+    call.mkdir()
+    (out / "gpu-cache.tgz").rename(call / ".gpu-cache.tgz")
+    fresh = tmp_path / "fresh"
+    done = _bash(f". {SCRIPT} restore && echo $TORCHINDUCTOR_CACHE_DIR", call, GPU_CACHE_ROOT=str(fresh))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [f"{fresh}/inductor"]
+    assert (fresh / "inductor" / "fx" / "graph").read_bytes() == b"compiled"
+
+
 def test_save_keeps_the_newest_files_under_the_cap(tmp_path):
     root, out = tmp_path / "root", tmp_path / "out"
     (root / "inductor").mkdir(parents=True)
