@@ -202,7 +202,7 @@ def test_a_finished_rank_waits_for_the_others_before_its_groups_go_and_a_failed_
     import adaattn.distributed.parallel as parallel
 
     calls = []
-    monkeypatch.setattr(parallel.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(parallel.dist, "barrier", lambda device_ids=None: calls.append("barrier"))
     monkeypatch.setattr(parallel.dist, "destroy_process_group", lambda: calls.append("destroy"))
     end_process_group(True)
     assert calls == ["barrier", "destroy"]
@@ -211,7 +211,7 @@ def test_a_finished_rank_waits_for_the_others_before_its_groups_go_and_a_failed_
     assert calls == ["destroy"]
     calls.clear()
 
-    def broken():
+    def broken(device_ids=None):
         raise RuntimeError("peer gone")
 
     monkeypatch.setattr(parallel.dist, "barrier", broken)

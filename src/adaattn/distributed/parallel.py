@@ -180,8 +180,8 @@ def end_process_group(finished: bool) -> None:
     leaves at once: a barrier would hang it on the peers it broke. A 2-rank FSDP2 run over gloo once aborted at
     exit after writing its result (CI, 2026-11-29; docs/notebook.md): the ranks had left one at a time."""
     try:
-        if finished:
-            dist.barrier()
+        if finished:  # on this process's GPU (init_mesh set it), named, not guessed by NCCL
+            dist.barrier(device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None)
     finally:
         dist.destroy_process_group()
 
