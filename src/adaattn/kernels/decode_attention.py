@@ -127,32 +127,40 @@ def num_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device
     return max(1, min(most, triton.cdiv(2 * sms, batch * kv_heads)))
 
 
-def decode_attention_fwd(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window: int | None = None,
-                         scale: float | None = None, pdl: bool = False, length_offset: int = 0) -> Tensor:
-    """The kernels: q (B, H, D), k and v (B, G, M, D) (last dim contiguous), ``length`` int (B,) or () on the
-    same device -> (B, H, D). ``pdl``: launched with Programmatic Dependent Launch (Hopper and newer)."""
+def launch_partials(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window: int | None, scale: float | None,
+                    pdl: bool, length_offset: int) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The first kernel: each chunk's partials, (pacc (rows, D), pm (rows,), pl (rows,)) fp32 in rows (B, G, splits,
+    R), and the number of chunks. ``pdl`` is already off in the interpreter."""
     B, H, D = q.shape
     G, M = k.shape[1], k.shape[2]
     R = H // G
     splits = num_splits(B, G, M, q.device)
     chunk = triton.cdiv(triton.cdiv(M, splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(M, chunk)
-    rows = B * G * splits * R  # the chunks' partials, (B, G, splits, R) rows, fp32
+    rows = B * G * splits * R
     pacc = torch.empty(rows, D, dtype=torch.float32, device=q.device)
     pm, pl = (torch.empty(rows, dtype=torch.float32, device=q.device) for _ in range(2))
-    out = torch.empty_like(q)
     lengths = length.reshape(-1)
-    fp32 = q.dtype == torch.float32 or interpreter()
-    pdl = pdl and not interpreter()
-    extra = {"launch_pdl": True} if pdl else {}
     _partial_kernel[(B * G, splits)](
         q, k, v, lengths, pacc, pm, pl, G, M, chunk, splits, 0 if lengths.numel() == 1 else 1, length_offset,
         D ** -0.5 if scale is None else scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        R=R, D=D, WINDOW=window or 0, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=BLOCK_N, FP32=fp32,
-        PDL=pdl, **extra)
+        R=R, D=D, WINDOW=window or 0, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_N=BLOCK_N,
+        FP32=q.dtype == torch.float32 or interpreter(), PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    return pacc, pm, pl, splits
+
+
+def decode_attention_fwd(q: Tensor, k: Tensor, v: Tensor, length: Tensor, window: int | None = None,
+                         scale: float | None = None, pdl: bool = False, length_offset: int = 0) -> Tensor:
+    """The kernels: q (B, H, D), k and v (B, G, M, D) (last dim contiguous), ``length`` int (B,) or () on the
+    same device -> (B, H, D). ``pdl``: launched with Programmatic Dependent Launch (Hopper and newer)."""
+    B, H, D = q.shape
+    pdl = pdl and not interpreter()
+    pacc, pm, pl, splits = launch_partials(q, k, v, length, window, scale, pdl, length_offset)
+    out = torch.empty_like(q)
     _combine_kernel[(B * H,)](pacc, pm, pl, out, H, splits, out.stride(0), out.stride(1),
-                              R=R, D=D, BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl, **extra)
+                              R=H // k.shape[1], D=D, BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=pdl,
+                              **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -1,10 +1,10 @@
 """The decode step of a dense decoder in few kernels (issue 66): what ``Transformer`` runs for one new token a
 sequence over its KV caches when the kernels can.
 
-A layer is six launches (``kernels.decode_proj``, ``kernels.decode_attention``): RMSNorm + q/k/v projection + RoPE
-+ the cache write; the split-K attention over the cache's filled positions, then its combine; the
-output projection added into the residual stream; RMSNorm + gate/up projection + SwiGLU; the down projection added
-into the residual stream. The residual stream is fp32 for the step (the projections add their K splits into it with
+A layer is five launches (``kernels.decode_proj``, ``kernels.decode_attention_out``): RMSNorm + q/k/v projection +
+RoPE + the cache write; the split-K attention's partials over the cache's filled positions; their combine, head by
+head, fused with the output projection added into the residual stream; RMSNorm + gate/up projection + SwiGLU; the
+down projection added into the residual stream. The residual stream is fp32 for the step (the projections add their K splits into it with
 atomics; the model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With
 ``reduce-overhead`` the whole step is one CUDA graph; on Hopper the projections launch with Programmatic
 Dependent Launch, each starting while the one before drains.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from adaattn.kernels.decode_attention import decode_attention
+from adaattn.kernels.decode_attention_out import attention_out_
 from adaattn.kernels.decode_proj import ROPE_ROWS, QuantWeight, add_linear_, norm_linear, norm_qkv_rope, norm_swiglu
 from adaattn.kernels.runtime import use_triton
 from adaattn.models.kv_cache import KVCache
@@ -90,14 +90,12 @@ def fused_decode(model: nn.Module, tokens: Tensor, input_pos: Tensor) -> Tensor:
     eps, pdl = cfg.norm_eps, pdl_on(tokens.device)
     pos = input_pos[-1:]  # a view: the attention reads pos + 1 filled positions itself
     x = model.embed(tokens[:, 0]).float()  # (B, E): the residual stream, fp32 for the step
-    B = x.shape[0]
     cos, sin = model.rope.cos, model.rope.sin
     for block in model.blocks:
         attn, mlp, cache = block.attn, block.mlp, block.attn.cache
         q = norm_qkv_rope(x, block.norm1.weight, eps, quant_weight(attn.qkv), cos, sin, pos, cache.k, cache.v,
                           attn.n_heads, pdl)
-        o = decode_attention(q, cache.k, cache.v, pos, pdl=pdl, length_offset=1)  # (B, H, D)
-        add_linear_(x, o.view(B, -1), quant_weight(attn.out), pdl)
+        attention_out_(x, q, cache.k, cache.v, pos, quant_weight(attn.out), pdl=pdl, length_offset=1)
         h = norm_swiglu(x, block.norm2.weight, eps, quant_weight(mlp.gate_up), pdl)
         add_linear_(x, h, quant_weight(mlp.down), pdl)
     return norm_linear(x, model.norm.weight, eps, quant_weight(model.head), model.norm.weight.dtype, pdl)[:, None]
