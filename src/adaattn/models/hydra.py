@@ -122,7 +122,9 @@ class Router(nn.Module):
         nn.init.normal_(self.score.weight, std=0.02)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.score(x).squeeze(-1)  # (B, S)
+        # x . w rather than Linear then squeeze: a view returned from an FSDP2 unit (the router is one) loses the
+        # unit's pre-backward hook to any in-place op on it, and FSDP2 warns of it; this result is no view
+        return x @ self.score.weight[0]  # (B, S)
 
 
 def capacity(n: int, fraction: float) -> int:
