@@ -28,7 +28,7 @@ def _weight(n_out: int, n_in: int, bits: int, group: int) -> dp.QuantWeight:
 @pytest.mark.parametrize("B, H, G, lengths", [(1, 4, 2, [37]), (3, 4, 1, [1, 70, 129])])
 @pytest.mark.parametrize("hp", [1, 2])  # heads a program combines and projects
 def test_the_residual_gets_the_separate_kernels_sum(bits, group, D, B, H, G, lengths, hp, monkeypatch):
-    monkeypatch.setattr(dao, "heads_per_program", lambda H, R: hp)
+    monkeypatch.setattr(dao, "HEADS_PER_PROGRAM", hp)
     torch.manual_seed(bits + B)
     M, N = 192, 96  # 192 positions: three chunks of 64, the last empty for the shorter sequences
     q, k, v = torch.randn(B, H, D), torch.randn(B, G, M, D), torch.randn(B, G, M, D)
@@ -39,11 +39,6 @@ def test_the_residual_gets_the_separate_kernels_sum(bits, group, D, B, H, G, len
     dao.attention_out_(res, q, k, v, length - 1, w, length_offset=1)
     dao.attention_out_ref(want, q, k, v, length - 1, w, length_offset=1)
     torch.testing.assert_close(res, want, atol=1e-5, rtol=1e-5)
-
-
-def test_a_program_takes_heads_of_one_group_and_at_most_8_adds_a_row():
-    assert [dao.heads_per_program(H, R) for H, R in ((32, 8), (32, 4), (16, 8), (8, 1), (64, 8), (4, 2))] == \
-        [4, 4, 2, 1, 8, 1]
 
 
 def test_bad_input_is_named():

@@ -5,8 +5,8 @@ share of the output projection into the fp32 residual stream.
 The output projection is a sum over heads: out[n] = sum_h W[n, h D : (h + 1) D] . o_h. A program owns one
 (sequence, heads, block of output rows): it combines the head's partials (a few chunks of D floats, in L2), then
 multiplies them by its weight tile and adds the result into the residual with fp32 atomics, as ``add_linear_``'s
-K splits do. A program takes a few heads of one kv group (``heads_per_program``: an output row then
-gets at most 8 atomic adds), and each block of rows repeats their combine (a few KB of L2 reads) in exchange for
+K splits do. A program takes ``HEADS_PER_PROGRAM`` heads of one kv group (an output row then gets H / HP atomic
+adds), and each block of rows repeats their combine (a few KB of L2 reads) in exchange for
 the launch the separate combine kernel costs. The weight tile is read before waiting on the attention (it depends on no
 earlier kernel), so under Programmatic Dependent Launch its loads overlap the partials' kernel.
 """
@@ -81,13 +81,10 @@ def _combine_out_kernel(pacc_ptr, pm_ptr, pl_ptr, w_ptr, s_ptr, z_ptr, res_ptr, 
     tl.atomic_add(res_ptr + b * sr + n, y, mask=nmask, sem="relaxed")
 
 
-def heads_per_program(H: int, R: int) -> int:
-    """Heads a program combines and projects: each output row then takes H / HP atomic adds (at most 8 here); HP
-    divides the group's R heads (the program's heads share a kv head's partials)."""
-    hp = 1
-    while hp < R and R % (2 * hp) == 0 and H // hp > 8:
-        hp *= 2
-    return hp
+# One head a program. In the H200 A/B of llama_1b's step (notebook, 2026-11-29) one head beat two, four and eight:
+# the atomic adds it multiplies cost less than the programs (the parallelism) that bigger programs give up. The
+# kernel takes any HP dividing the group's heads (tests run 2).
+HEADS_PER_PROGRAM = 1
 
 
 def _block_n(programs: int, N: int, device: torch.device) -> int:
@@ -99,14 +96,16 @@ def _block_n(programs: int, N: int, device: torch.device) -> int:
 
 def attention_out_fwd(residual: Tensor, q: Tensor, k: Tensor, v: Tensor, length: Tensor, data: Tensor,
                       scale: Tensor | None, offset: Tensor | None, group: int, attn_scale: float | None, pdl: bool,
-                      length_offset: int, hp: int = 0) -> None:
+                      length_offset: int) -> None:
     B, H, D = q.shape
     R = H // k.shape[1]
+    hp = HEADS_PER_PROGRAM
+    if R % hp:
+        raise ValueError(f"attention_out_: HEADS_PER_PROGRAM={hp} must divide the {R} heads of a kv group")
     w = _quant(data, scale, offset, group)
     pdl = pdl and not interpreter()
     pacc, pm, pl, splits = launch_partials(q, k, v, length, None, attn_scale, pdl, length_offset)
     N, K = w.out_features, w.in_features
-    hp = hp or heads_per_program(H, R)
     block_n = _block_n(B * H // hp, N, q.device)
     data, s_arg, z_arg = w.data, w.scale if w.scale is not None else w.data, w.offset if w.offset is not None \
         else w.data
