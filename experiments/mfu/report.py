@@ -132,10 +132,14 @@ def _issue67_goals(target: str, case_id: str, model: str, hw: str, frame: pd.Dat
                    bf16: tuple[str, float] | None, rate: float | None, ratios: pd.DataFrame,
                    cpu: bool) -> list[Verdict]:
     """Issue 67's goals as ``mfu.goals`` reads them: the best bf16 config's MFU; the zoo's fastest bf16 config
-    (``best``) against each peer timed in the case; ``fp8_rowwise`` against that config."""
+    (``best``) against plain and against each peer timed in the case; ``fp8_rowwise`` against that config."""
     goals = peer_goals()
     out = _mfu_goal(goals.mfu.get(model), " (issue 67)", model, hw, bf16, rate, cpu)
     steps = frame[frame["metric"] == "side_by_side_ms"]
+    if model in goals.plain_speedup:
+        out.append(_speedup(f"{model}: the zoo's fastest bf16 config at least {goals.plain_speedup[model]:g}x plain "
+                            "compiled PyTorch's tokens/s (issue 67)", goals.plain_speedup[model], best, "plain",
+                            target, case_id, hw, steps, ratios, cpu))
     for peer in [p for p in PEERS if p in set(steps["provider"])] if model in goals.peer_speedup else []:
         out.append(_speedup(f"{model}: the zoo's fastest bf16 config at least {goals.peer_speedup[model]:g}x "
                             f"{peer}'s tokens/s (issue 67)", goals.peer_speedup[model], best, peer, target,
