@@ -4,8 +4,8 @@ sequence over its KV caches when the kernels can.
 A layer is five launches (``kernels.decode_proj``, ``kernels.decode_attention_out``): RMSNorm + q/k/v projection +
 RoPE + the cache write; the split-K attention's partials over the cache's filled positions; their combine, head by
 head, fused with the output projection added into the residual stream; RMSNorm + gate/up projection + SwiGLU; the
-down projection added into the residual stream. The residual stream is fp32 for the step (the projections add their K splits into it with
-atomics; the model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With
+down projection added into the residual stream (with INT4 weights the combine and the output projection stay two
+launches). The residual stream is fp32 for the step (the projections add their K splits into it with atomics; the model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With
 ``reduce-overhead`` the whole step is one CUDA graph; on Hopper the projections launch with Programmatic
 Dependent Launch, each starting while the one before drains.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from adaattn.kernels.decode_attention import decode_attention
 from adaattn.kernels.decode_attention_out import attention_out_
 from adaattn.kernels.decode_proj import ROPE_ROWS, QuantWeight, add_linear_, norm_linear, norm_qkv_rope, norm_swiglu
 from adaattn.kernels.runtime import use_triton
@@ -30,6 +31,11 @@ from adaattn.models.kv_cache import KVCache
 # than plain compiled PyTorch; for more rows the kernels' tensor-core tiles lose to cuBLAS (docs/notebook.md), so
 # larger batches run the model's own layers until they do not.
 FUSED_MAX_BATCH = 1
+
+# Weight widths whose attention combine and output projection stay two launches (decode_attention, add_linear_):
+# the fused kernel's INT4 tile spilled registers and slowed the H200's INT4 step several times over (notebook,
+# 2026-11-29), until a fix is measured.
+SEPARATE_ATTENTION_OUT = (4,)
 
 
 def quant_weight(linear: nn.Module) -> QuantWeight | None:
@@ -95,7 +101,12 @@ def fused_decode(model: nn.Module, tokens: Tensor, input_pos: Tensor) -> Tensor:
         attn, mlp, cache = block.attn, block.mlp, block.attn.cache
         q = norm_qkv_rope(x, block.norm1.weight, eps, quant_weight(attn.qkv), cos, sin, pos, cache.k, cache.v,
                           attn.n_heads, pdl)
-        attention_out_(x, q, cache.k, cache.v, pos, quant_weight(attn.out), pdl=pdl, length_offset=1)
+        wo = quant_weight(attn.out)
+        if wo.bits in SEPARATE_ATTENTION_OUT:
+            o = decode_attention(q, cache.k, cache.v, pos, pdl=pdl, length_offset=1)  # (B, H, D)
+            add_linear_(x, o.reshape(o.shape[0], -1), wo, pdl)
+        else:
+            attention_out_(x, q, cache.k, cache.v, pos, wo, pdl=pdl, length_offset=1)
         h = norm_swiglu(x, block.norm2.weight, eps, quant_weight(mlp.gate_up), pdl)
         add_linear_(x, h, quant_weight(mlp.down), pdl)
     return norm_linear(x, model.norm.weight, eps, quant_weight(model.head), model.norm.weight.dtype, pdl)[:, None]
