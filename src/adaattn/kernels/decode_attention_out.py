@@ -2,13 +2,13 @@
 partials (``kernels.decode_attention``), then one kernel that combines each head's chunks and adds that head's
 share of the output projection into the fp32 residual stream.
 
-The output projection is a sum over heads: out[n] = sum_h W[n, h D : (h + 1) D] . o_h. A program owns one
-(sequence, heads, block of output rows): it combines the head's partials (a few chunks of D floats, in L2), then
-multiplies them by its weight tile and adds the result into the residual with fp32 atomics, as ``add_linear_``'s
-K splits do. A program takes ``HEADS_PER_PROGRAM`` heads of one kv group (an output row then gets H / HP atomic
-adds), and each block of rows repeats their combine (a few KB of L2 reads) in exchange for
-the launch the separate combine kernel costs. The weight tile is read before waiting on the attention (it depends on no
-earlier kernel), so under Programmatic Dependent Launch its loads overlap the partials' kernel.
+The output projection is a sum over heads: out[n] = sum_h W[n, h D : (h + 1) D] . o_h. A program owns one (sequence,
+heads, block of output rows): it combines the head's partials (a few chunks of D floats, in L2), then multiplies them
+by its weight tile and adds the result into the residual with fp32 atomics, as ``add_linear_``'s K splits do. A
+program takes ``HEADS_PER_PROGRAM`` heads of one kv group (an output row then gets H / HP atomic adds), and each
+block of rows repeats their combine (a few KB of L2 reads) in exchange for the launch the separate combine kernel
+costs. The weight tile is read before waiting on the attention (it depends on no earlier kernel), so under
+Programmatic Dependent Launch its loads overlap the partials' kernel.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ A layer is five launches (``kernels.decode_proj``, ``kernels.decode_attention_ou
 RoPE + the cache write; the split-K attention's partials over the cache's filled positions; their combine, head by
 head, fused with the output projection added into the residual stream; RMSNorm + gate/up projection + SwiGLU; the
 down projection added into the residual stream (with INT4 weights the combine and the output projection stay two
-launches). The residual stream is fp32 for the step (the projections add their K splits into it with atomics; the model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With
-``reduce-overhead`` the whole step is one CUDA graph; on Hopper the projections launch with Programmatic
-Dependent Launch, each starting while the one before drains.
+launches). The residual stream is fp32 for the step (the projections add their K splits into it with atomics; the
+model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With ``reduce-overhead`` the
+whole step is one CUDA graph; on Hopper the projections launch with Programmatic Dependent Launch, each starting
+while the one before drains.
 
 Anything these kernels do not cover runs the model's own layers (``why_not`` names it, and the step is the same
 function either way): the switch ``Transformer.fused_decode``, more than ``FUSED_MAX_BATCH`` sequences, the kernels
