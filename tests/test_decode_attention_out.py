@@ -6,22 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from test_decode_step import _weight
 
 from adaattn.kernels import decode_attention_out as dao
-from adaattn.kernels import decode_proj as dp
-from adaattn.models.decode_step import quant_weight
-from adaattn.models.quant import quantize_weight_only
-
-
-def _weight(n_out: int, n_in: int, bits: int, group: int) -> dp.QuantWeight:
-    linear = nn.Linear(n_in, n_out, bias=False)
-    nn.init.normal_(linear.weight, std=0.1)
-    if bits == 16:
-        return dp.QuantWeight(linear.weight.detach())
-    model = nn.Sequential(linear)
-    quantize_weight_only(model, bits, group, skip=())
-    return quant_weight(model[0])
 
 
 @pytest.mark.parametrize("bits, group, D", [(16, 0, 32), (8, 0, 32), (4, 32, 64), (4, 128, 32)])
