@@ -87,11 +87,16 @@ def _combine_out_kernel(pacc_ptr, pm_ptr, pl_ptr, w_ptr, s_ptr, z_ptr, res_ptr, 
 HEADS_PER_PROGRAM = 1
 
 
+# At most 128 output rows a program: in the H200 A/B of llama_1b's bf16 step (notebook, 2026-11-29) 128 beat 256
+# and 64; the 256-row tile holds twice the weights in registers for the same atomic adds.
+MAX_ROWS = 128
+
+
 def _block_n(programs: int, N: int, device: torch.device) -> int:
-    """Output rows a program: about two programs an SM, 32 to 256 rows."""
+    """Output rows a program: about two programs an SM, 32 to ``MAX_ROWS`` rows."""
     sms = sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    return max(32, min(256, triton.next_power_of_2(triton.cdiv(programs * N, 2 * sms))))
+    return max(32, min(MAX_ROWS, triton.next_power_of_2(triton.cdiv(programs * N, 2 * sms))))
 
 
 def attention_out_fwd(residual: Tensor, q: Tensor, k: Tensor, v: Tensor, length: Tensor, data: Tensor,

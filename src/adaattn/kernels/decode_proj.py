@@ -229,18 +229,19 @@ def _args(w: QuantWeight) -> tuple[Tensor, Tensor, Tensor]:
 
 
 # Launch configs (BLOCK_N, BLOCK_K, warps, stages, GEMV) by rows (1, up to 16, up to 64), projection and weight
-# bits: the fastest of a sweep of each projection of a 1B Llama alone on an H200 (docs/notebook.md). One row
-# reads the weight with fp32 multiply-adds (GEMV); INT8 and INT4 rows of the output and down projections read
+# bits. One row: each projection's config swept inside llama_1b's whole step on an H200, one projection at a time,
+# the rest held (notebook, 2026-11-29); more rows: a sweep of each projection alone. One row reads the weight with
+# fp32 multiply-adds (GEMV); INT4 rows of the output and down projections, INT8 rows of the output and head read
 # faster on tensor cores, whose dequantization is spread over more threads. Not tuned per GPU at run time: each
 # config is a compile, dozens a model.
-_GEMV_BF16 = {"qkv": (4, 1024, 8, 1), "o": (8, 1024, 4, 1), "gate_up": (8, 512, 4, 3), "down": (16, 512, 8, 2),
+_GEMV_BF16 = {"qkv": (4, 1024, 8, 1), "o": (8, 1024, 4, 1), "gate_up": (4, 1024, 4, 1), "down": (16, 512, 8, 2),
               "head": (8, 1024, 4, 1)}
 _CONFIGS = {
     (1, 16): {k: (*v, True) for k, v in _GEMV_BF16.items()},
     (1, 8): {"qkv": (4, 1024, 8, 1, True), "o": (64, 128, 4, 4, False), "gate_up": (8, 256, 2, 4, True),
-             "down": (64, 128, 4, 4, False), "head": (64, 128, 4, 4, False)},
-    (1, 4): {"qkv": (8, 1024, 4, 1, True), "o": (64, 128, 4, 4, False), "gate_up": (8, 1024, 4, 1, True),
-             "down": (64, 128, 4, 4, False), "head": (8, 1024, 4, 1, True)},
+             "down": (32, 512, 8, 1, True), "head": (64, 128, 4, 4, False)},
+    (1, 4): {"qkv": (8, 2048, 8, 1, True), "o": (128, 128, 8, 3, False), "gate_up": (8, 1024, 4, 1, True),
+             "down": (128, 128, 8, 3, False), "head": (8, 1024, 4, 1, True)},
     (16, 16): {"qkv": (16, 256, 4, 3, False), "o": (32, 256, 4, 3, False), "gate_up": (128, 128, 8, 3, False),
                "down": (64, 256, 8, 3, False), "head": (128, 128, 8, 3, False)},
     (16, 8): {"qkv": (16, 256, 4, 3, False), "o": (64, 128, 4, 4, False), "gate_up": (64, 256, 8, 3, False),

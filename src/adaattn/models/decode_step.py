@@ -34,9 +34,9 @@ from adaattn.models.kv_cache import KVCache
 FUSED_MAX_BATCH = 1
 
 # Weight widths whose attention combine and output projection stay two launches (decode_attention, add_linear_):
-# the fused kernel's INT4 tile spilled registers and slowed the H200's INT4 step several times over (notebook,
-# 2026-11-29), until a fix is measured.
-SEPARATE_ATTENTION_OUT = (4,)
+# in the H200 A/B of llama_1b's step (notebook, 2026-11-29) the fused kernel won in bf16 only; INT8's separate
+# kernels were as fast and INT4's faster (the fused INT4 tile holds a head's codes and both half-heads of o).
+SEPARATE_ATTENTION_OUT = (8, 4)
 
 
 def quant_weight(linear: nn.Module) -> QuantWeight | None:
