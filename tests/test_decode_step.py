@@ -97,7 +97,7 @@ def _model(**update) -> nn.Module:
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_the_fused_step_matches_the_models_own_layers_and_its_forward(bits, monkeypatch):
     monkeypatch.setattr(decode_step, "FUSED_MAX_BATCH", 2)  # two sequences: the kernels' tensor-core tiles too
-    calls = {"fused": 0, "separate": 0}  # which attention-out path the step takes (INT8, INT4: the separate kernels)
+    calls = {"fused": 0, "separate": 0}  # which attention-out path the step takes
     for name, key in (("attention_out_", "fused"), ("decode_attention", "separate")):
         fn = getattr(decode_step, name)
         monkeypatch.setattr(decode_step, name, lambda *a, fn=fn, key=key, **k: calls.__setitem__(key, calls[key] + 1)
@@ -120,7 +120,8 @@ def test_the_fused_step_matches_the_models_own_layers_and_its_forward(bits, monk
     torch.testing.assert_close(got[True], got[False], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[True], full, atol=1e-4, rtol=1e-4)
     assert all(c.abs().sum() > 0 for c in caches)
-    assert calls == ({"fused": 0, "separate": 2} if bits < 16 else {"fused": 2, "separate": 0})  # one a layer
+    assert calls == ({"fused": 0, "separate": 2} if bits in decode_step.SEPARATE_ATTENTION_OUT
+                     else {"fused": 2, "separate": 0})  # one a layer
 
 
 def test_what_the_fused_step_cannot_run_is_named():

@@ -4,11 +4,11 @@ sequence over its KV caches when the kernels can.
 A layer is five launches (``kernels.decode_proj``, ``kernels.decode_attention_out``): RMSNorm + q/k/v projection +
 RoPE + the cache write; the split-K attention's partials over the cache's filled positions; their combine, head by
 head, fused with the output projection added into the residual stream; RMSNorm + gate/up projection + SwiGLU; the
-down projection added into the residual stream (with INT4 weights the combine and the output projection stay two
-launches). The residual stream is fp32 for the step (the projections add their K splits into it with atomics; the
-model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With ``reduce-overhead`` the
-whole step is one CUDA graph; on Hopper the projections launch with Programmatic Dependent Launch, each starting
-while the one before drains.
+down projection added into the residual stream (with INT8 and INT4 weights the combine and the output projection
+stay two launches). The residual stream is fp32 for the step (the projections add their K splits into it with
+atomics; the model's own forward keeps it in the weights' dtype), the logits in the weights' dtype. With
+``reduce-overhead`` the whole step is one CUDA graph; on Hopper the projections launch with Programmatic Dependent
+Launch, each starting while the one before drains.
 
 Anything these kernels do not cover runs the model's own layers (``why_not`` names it, and the step is the same
 function either way): the switch ``Transformer.fused_decode``, more than ``FUSED_MAX_BATCH`` sequences, the kernels
@@ -36,7 +36,7 @@ FUSED_MAX_BATCH = 1
 # Weight widths whose attention combine and output projection stay two launches (decode_attention, add_linear_):
 # in the H200 A/B of llama_1b's step (notebook, 2026-11-29) the fused kernel won in bf16 only; INT8's separate
 # kernels were as fast and INT4's faster (the fused INT4 tile holds a head's codes and both half-heads of o).
-SEPARATE_ATTENTION_OUT = (8, 4)
+SEPARATE_ATTENTION_OUT: tuple[int, ...] = (8, 4)
 
 
 def quant_weight(linear: nn.Module) -> QuantWeight | None:
