@@ -80,6 +80,45 @@ def test_slow_providers_are_pruned_unless_kept_and_failures_are_rows(clock):
     assert by["fast"]["samples"] == 3 and by["fast"]["unit"] == "ms"  # the budget (20 ms) fits fewer than the minimum
 
 
+def test_a_provider_that_raises_in_the_rounds_is_an_error_row_and_the_rounds_go_on(monkeypatch, clock):
+    """The warm-up passes, a later call raises (as inductor's CUDA-graph trees once did on torch 2.11): that
+    provider gets an error row saying so, the block starts again without it, the others keep every round."""
+    import adaattn_pipeline.bench.side_by_side as sbs
+
+    rounds_started = []
+    real = sbs.interleaved_samples_ms
+
+    def started(*a, **k):
+        rounds_started.append(True)
+        return real(*a, **k)
+
+    monkeypatch.setattr(sbs, "interleaved_samples_ms", started)
+    x = torch.zeros(1)
+
+    def flaky():
+        if rounds_started:
+            raise AssertionError("len(node.tensor_weakrefs) == len(node.stack_traces)")
+        clock.sleep(1e-3)  # as fast as rival in the warm-up: neither is pruned
+        return x
+
+    base = {"table_id": "T", "case_id": "c", "kernel": ""}
+    builders = {"kept": lambda: _sleeper(clock, 2.0), "flaky": lambda: Workload(fwd=flaky, inputs=[x]),
+                "rival": lambda: _sleeper(clock, 1.0)}
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(10, 6, 6), paired="kept")
+    by = {(r["provider"], r["metric"]): r for r in rows}
+    err = by[("flaky", "side_by_side_ms")]
+    assert err["status"] == "error" and err["value"] is None
+    assert err["reason"].startswith("AssertionError in the timed rounds: len(node.tensor_weakrefs)")
+    assert {p for p, m in by if m == "paired_ratio"} == {"rival"}  # no ratio to a provider that failed
+    assert by[("kept", "side_by_side_ms")]["samples"] == by[("rival", "side_by_side_ms")]["samples"] == 6
+    assert len(rounds_started) == 2  # the block again, without flaky
+    # every provider fails: error rows only
+    builders = {"kept": lambda: Workload(fwd=flaky, inputs=[x])}
+    rounds_started.clear()
+    rows = side_by_side_rows([(base, "fwd", builders)], "cpu", keep=["kept"], rounds=R(10, 3, 3))
+    assert [(r["provider"], r["status"]) for r in rows] == [("kept", "error")]
+
+
 def test_round_ratios_cancel_a_drift_between_rounds(clock):
     """The host slows down and speeds up from round to round (1x-4x): each provider's own times spread
     with it, their per-round ratio does not."""

@@ -7,6 +7,9 @@ provider not under test) that another rival beats with ``CI_LEVEL`` confidence (
 rounds (status ``outpaced``): it cannot be the fastest rival, which is what a goal compares against, and the
 rest of the budget goes to the others. Where a goal's question is still open after that (``settle``: the interval of the
 ratio to a rival still in the rounds spans the goal's bound), those providers take one block more, once.
+
+A provider whose call raises in the rounds (a compiler's assertion on the tenth call, say) gets an error row
+naming it, and the block's rounds start again without it: its rivals' rows and the study's other rows stand.
 """
 
 from __future__ import annotations
@@ -45,6 +48,23 @@ def call_of(w: Workload, mode: str) -> Callable[[], object]:
     return fwd_bwd
 
 
+class _Failed(Exception):
+    """A provider's call raised in the rounds: which one and what."""
+
+    def __init__(self, index: int, err: Exception) -> None:
+        super().__init__(index, err)
+        self.index, self.err = index, err
+
+
+def _tagged(index: int, call: Callable[[], object]) -> Callable[[], object]:
+    def run():
+        try:
+            return call()
+        except Exception as err:  # noqa: BLE001 - re-raised with the provider's index
+            raise _Failed(index, err) from err
+    return run
+
+
 def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], Workload]]]], device: str,
                       keep: Sequence[str], rounds: Rounds, seed: int = 0, paired: str | None = None,
                       settle: float | None = None, prefix: str = "") -> list[dict]:
@@ -57,7 +77,7 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
     provider timed, then, where the budget has more, rounds without the rivals another rival beats
     with confidence (status ``outpaced``; the reason says after how many rounds, beaten by which), and
     each row's ``samples`` says how many rounds it took part in; ``seed``: the rounds' orders. A provider
-    whose workload fails to build or run gets an error row; the others still run. ``paired`` (one of
+    whose workload fails to build or run, in its warm-up or in the rounds, gets an error row; the others still run. ``paired`` (one of
     ``keep``): also a ``paired_ratio`` row per other timed provider, ``paired``'s time over that
     provider's, round by round over the rounds both took part in (``round_ratios``), and its median's
     ``CI_LEVEL`` confidence bounds (``paired_ratio_ci_low`` and ``paired_ratio_ci_high`` rows: ``median_ci``). ``settle`` (a goal's
@@ -103,26 +123,44 @@ def side_by_side_rows(groups: Sequence[tuple[dict, str, dict[str, Callable[[], W
             def fit(idx: Sequence[int], ms: float) -> int:  # rounds of these providers in about ms
                 return math.ceil(ms / per_turn / sum(est[i] for i in idx))
 
+            failed: dict[int, str] = {}  # provider index -> why its call raised in the rounds
+
+            def block(idx: Sequence[int], n: int, block_seed: int) -> dict[int, list[float]]:
+                """n rounds of the providers idx; one that raises leaves, and the block starts again without it
+                (a round's samples pair only providers timed in the same rounds)."""
+                idx = [i for i in idx if i not in failed]
+                while idx:
+                    try:
+                        samples = interleaved_samples_ms([_tagged(i, calls[i]) for i in idx], device, n, block_seed)
+                        return dict(zip(idx, samples, strict=True))
+                    except _Failed as f:
+                        failed[f.index] = f"{type(f.err).__name__} in the timed rounds: {f.err}"[:300]
+                        idx = [i for i in idx if i != f.index]
+                return {}
+
             n_rounds = min(max_rounds, max(min_rounds, fit(timed, budget_ms)))
             first = min(n_rounds, min_rounds)  # every timed provider; then the rivals outpaced leave
-            by_index = dict(zip(timed, interleaved_samples_ms([calls[i] for i in timed], device, first, seed),
-                                strict=True))
-            left = outpaced({names[i]: by_index[i] for i in timed if names[i] not in keep}) if n_rounds > first else {}
-            rest = [i for i in timed if names[i] not in left]
-            more = min(max_rounds - first, fit(rest, budget_ms - first * per_turn * sum(est[i] for i in timed)))
+            by_index = block(timed, first, seed)
+            left = outpaced({names[i]: x for i, x in by_index.items() if names[i] not in keep}) if n_rounds > first \
+                else {}
+            rest = [i for i in by_index if names[i] not in left]
+            more = min(max_rounds - first, fit(rest, budget_ms - first * per_turn * sum(est[i] for i in by_index))) \
+                if rest else 0
             if more > 0:
-                for i, x in zip(rest, interleaved_samples_ms([calls[i] for i in rest], device, more, seed + 1),
-                                strict=True):
+                for i, x in block(rest, more, seed + 1).items():
                     by_index[i] += x
             again = 0  # rounds of the block that settles an open question (``settle``)
+            rest = [i for i in rest if i not in failed]
             if settle is not None and paired in names and names.index(paired) in rest:
                 mine = by_index[names.index(paired)]
                 if any(_spans(median_ci(round_ratios(mine, by_index[i])), settle) for i in rest if names[i] != paired):
                     again = min(max_rounds, fit(rest, budget_ms))
-                    for i, x in zip(rest, interleaved_samples_ms([calls[i] for i in rest], device, again, seed + 2),
-                                    strict=True):
+                    for i, x in block(rest, again, seed + 2).items():
                         by_index[i] += x
-        by_name = {names[i]: by_index[i] for i in timed}
+            for i, why in failed.items():  # its samples (if any) are from rounds it did not finish: dropped
+                by_index.pop(i, None)
+                rows.append({**row, "provider": names[i], "status": "error", "reason": why})
+        by_name = {names[i]: by_index[i] for i in timed if i in by_index}
         settled = (f"{again} of the rounds a second block: the interval of {paired}'s ratio to a provider in the "
                    f"rounds spanned {settle:g}") if again else ""
         gone = {name: why_left(first, by) for name, by in left.items()}
