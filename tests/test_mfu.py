@@ -69,6 +69,24 @@ def test_each_config_is_timed_side_by_side_with_its_own_graph(monkeypatch):
     assert not mfu.get_kernel_status()["reason"]  # the switch restored after the steps
 
 
+def test_each_fp8_recipe_compiles_with_its_own_options(monkeypatch):
+    """The rowwise recipe's blocks compile with its casts rounded as eager's (train prices the same setting);
+    tensorwise and the bf16 configs with the mode alone."""
+    from adaattn_experiments.mfu import study as mfu
+
+    seen, recipes = [], []
+    monkeypatch.setattr(mfu, "to_float8", lambda model, recipe: recipes.append(recipe) or model)
+    monkeypatch.setattr(mfu, "create_optimized_training_setup",
+                        lambda model, **k: seen.append(k["compile_options"]) or (model, None, None))
+    params = _params()
+    preset = params.models["dense_small"]
+    initial = mfu.build_model(preset).state_dict()
+    for on in ({"plain"}, {"plain", "fp8"}, {"plain", "fp8", "fp8_rowwise"}):
+        mfu.Mfu("cpu")._trainer(preset, on, initial, params.mfu.cpu, 16)
+    assert recipes == ["tensorwise", "rowwise"]
+    assert seen == [None, {}, {"emulate_precision_casts": True}]
+
+
 def test_a_preset_without_an_op_our_kernels_cover_says_so():
     from adaattn_experiments.mfu.study import Mfu
 

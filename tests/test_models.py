@@ -312,6 +312,28 @@ def test_blocks_scope_compiles_each_block_in_place_and_one_graph_serves_them(mon
     torch._dynamo.reset()
 
 
+def test_compile_options_reach_inductor_over_the_modes_own_and_bad_names_fail_first(monkeypatch):
+    """torch.compile takes a mode or options, not both: with options, each block compiles with the mode's table
+    and the options over it; without, with the mode alone; a name inductor lacks fails before a model is built."""
+    from adaattn.models.train import create_optimized_training_setup, optimize_model
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: seen.append(k) or fn)
+    model = Transformer(_small(**PLAIN, n_layers=2))
+    optimize_model(model, compile_mode="max-autotune-no-cudagraphs", compile_scope="blocks", tf32=False,
+                   compile_options={"emulate_precision_casts": True})
+    assert seen == 2 * [{"options": {"max_autotune": True, "coordinate_descent_tuning": True,
+                                     "emulate_precision_casts": True}}]
+    seen.clear()
+    optimize_model(Transformer(_small(**PLAIN)), compile_mode="default", tf32=False)
+    assert seen == [{"mode": "default"}]
+    built = []
+    monkeypatch.setattr(Transformer, "__init__", lambda *a, **k: built.append(a))
+    with pytest.raises(ValueError, match=r"compile_options \['emulate_casts'\] are not inductor options"):
+        create_optimized_training_setup(_small(), device="cpu", compile_options={"emulate_casts": True})
+    assert not built and len(seen) == 1
+
+
 def test_card_command_writes_a_card_and_names_an_unknown_preset(tmp_path):
     import json
 

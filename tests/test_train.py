@@ -110,7 +110,9 @@ def test_fp8s_price_trains_twins_from_the_same_weights_on_the_same_batches(tmp_p
     from adaattn_experiments.train import study as train_study
     from adaattn_experiments.train import report
 
-    converted = []
+    converted, options, compile_ = [], [], train_study.optimize_model
+    monkeypatch.setattr(train_study, "optimize_model",
+                        lambda model, **k: options.append(k["compile_options"]) or compile_(model, **k))
     monkeypatch.setattr(train_study, "float8_unavailable", lambda device: None)
     monkeypatch.setattr(train_study, "to_float8", lambda model, recipe: converted.append(recipe) or model)
     params = _params({"models": ["dense_small"],
@@ -119,6 +121,8 @@ def test_fp8s_price_trains_twins_from_the_same_weights_on_the_same_batches(tmp_p
     df = pd.DataFrame([{"p20": None, "p80": None, **r, "target": "cpu", "hardware": "test cpu", "cuda": "13.0"}
                        for r in rows])
     assert converted == ["rowwise"] and (df.status == "ok").all()
+    # the preset's own run, the bf16 twin, the FP8 twin: only the last has its casts rounded as eager's
+    assert options == [None, None, {"emulate_precision_casts": True}]
     twin, fp8 = (df[df.provider == p].set_index(["metric", "step"])["value"]
                  for p in ("dense_small-fp32", "dense_small-fp8_rowwise"))
     losses = [m for m in twin.index if m[0] in ("train_loss", "val_loss")]

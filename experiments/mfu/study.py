@@ -13,7 +13,7 @@ every config listed before it:
   zoo's best or fastest config). These two are branches: the configs after them do not take them;
 - ``fp8``: torchao's float8 training (tensorwise scales) on the blocks' linears; the LM head stays bf16;
 - ``fp8_rowwise``: the same with torchao's rowwise recipe (a scale a row: issue 67's FP8, the one the train study
-  prices in validation loss);
+  prices in validation loss), compiled with its ``compile_options`` (casts rounded as eager rounds them);
 - ``torchtitan``: the peer, torchtitan's llama3 step at the same shape (``titan.py``), adding nothing to ours.
 
 The blocks are compiled one at a time (``compile_scope``: every layer shares the one graph) and dynamo is told
@@ -43,7 +43,7 @@ from adaattn.timing.timers import make_timer
 from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
-from adaattn_experiments.common.float8 import float8_unavailable, to_float8
+from adaattn_experiments.common.float8 import compile_options, float8_unavailable, to_float8
 from adaattn_experiments.mfu import titan
 from adaattn_experiments.mfu.schema import BRANCHES, FP8_CONFIGS, PEERS, MfuCase, MfuSweep
 from adaattn.kernels import set_use_triton_kernels
@@ -202,13 +202,14 @@ class Mfu(StudyDef):
         criterion = None
         if on & {"fused_loss", "liger_loss"}:
             criterion = head_loss(model, "liger" if "liger_loss" in on else "ours", sweep.dtype)
-        if "fp8_rowwise" in on:  # the rowwise recipe in place of the tensorwise one listed before it
-            model = to_float8(model, "rowwise")
-        elif "fp8" in on:
-            model = to_float8(model, "tensorwise")
+        # the rowwise recipe in place of the tensorwise one listed before it
+        recipe = "rowwise" if "fp8_rowwise" in on else "tensorwise" if "fp8" in on else None
+        if recipe is not None:
+            model = to_float8(model, recipe)
         _, _, trainer = create_optimized_training_setup(
             model, compile_mode=sweep.compile_mode, compile_scope=sweep.compile_scope, dtype=sweep.dtype,
-            device=self.device, tf32=True, compile_loss="loss" in on)
+            device=self.device, tf32=True, compile_loss="loss" in on,
+            compile_options=None if recipe is None else compile_options(recipe))
         return trainer, criterion
 
     @staticmethod

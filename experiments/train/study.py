@@ -9,7 +9,8 @@ and the time per step over them (``step`` column: the curve, which MLflow logs a
 validation loss every ``eval_every`` steps and at the end, in eval mode (HYDRA routes causally there: a token by its
 router's score, not by a top-k over the sequence); tokens/s over the steps after the first interval; the model's
 FLOPs per step. ``float8`` (issue 67): its presets trained twice more on its own schedule, in bf16 and under
-torchao's float8 training, from the same weights on the same batches, so that FP8's price is a validation loss read
+torchao's float8 training (compiled with the recipe's ``compile_options``), from the same weights on the same
+batches, so that FP8's price is a validation loss read
 beside its twin's (a row that says why where FP8 GEMMs cannot run); a ``precision`` column names each run's. The
 weights are saved on the machine that trained them, ``models/weights/<target>/<model>.pt``
 (``models.train.load_model``; outside git and DVC: the results are what the pipeline keeps, and a fresh clone has no
@@ -27,7 +28,7 @@ from torch import nn
 from adaattn.models.data import Corpus, load_corpus
 from adaattn.models.train import optimize_model
 from adaattn_experiments.common.fit import fit
-from adaattn_experiments.common.float8 import float8_unavailable, to_float8
+from adaattn_experiments.common.float8 import compile_options, float8_unavailable, to_float8
 from adaattn_experiments.train.schema import CompiledSchedule, Float8Price, TrainRun
 from adaattn_pipeline.bench.harness import Case
 from adaattn_pipeline.bench.study import StudyDef
@@ -83,9 +84,9 @@ class Train(StudyDef):
                              "provider": f"{model}-{fp8}", "mode": "eval", "metric": "val_loss", "value": None,
                              "unit": "nats", "status": "unavailable", "reason": why})
                 continue
-            compile_ = _compiler(price)
+            compile_, compile_fp8 = _compiler(price), _compiler(price, compile_options(price.recipe))
             for precision, convert in ((price.dtype, compile_),
-                                       (fp8, lambda m: compile_(to_float8(m, recipe=price.recipe)))):
+                                       (fp8, lambda m: compile_fp8(to_float8(m, recipe=price.recipe)))):
                 rows += fit(model, params.models[model], price, corpus, None, self.device, convert=convert,
                             precision=precision, label=f"{model}-{precision}")
                 self._release()
@@ -99,11 +100,11 @@ class Train(StudyDef):
             torch.cuda.empty_cache()
 
 
-def _compiler(run: CompiledSchedule) -> Callable[[nn.Module], nn.Module]:
-    """The fresh model compiled as ``run`` says, before its optimizer is built (the trainer then casts and moves
-    it: compilation wraps the module, it does not copy the parameters)."""
+def _compiler(run: CompiledSchedule, options: dict | None = None) -> Callable[[nn.Module], nn.Module]:
+    """The fresh model compiled as ``run`` says (with inductor ``options``), before its optimizer is built (the
+    trainer then casts and moves it: compilation wraps the module, it does not copy the parameters)."""
     return lambda model: optimize_model(model, compile_mode=run.compile_mode, tf32=False,
-                                        compile_scope=run.compile_scope)[0]
+                                        compile_scope=run.compile_scope, compile_options=options)[0]
 
 
 STUDY = Train()

@@ -44,6 +44,20 @@ def _check_mode(compile_mode: str | None) -> None:
         raise ValueError(f"compile_mode {compile_mode!r} is not one of: {', '.join(COMPILE_MODES)}, or None (eager)")
 
 
+def _check_options(options: dict | None) -> None:
+    unknown = sorted(set(options or ()) - set(torch._inductor.config.get_config_copy()))
+    if unknown:
+        raise ValueError(f"compile_options {unknown} are not inductor options (the names in torch._inductor.config)")
+
+
+def _compile_kwargs(compile_mode: str, options: dict | None) -> dict:
+    """torch.compile's arguments: ``compile_mode`` with inductor ``options`` over it. torch.compile takes a mode or
+    options, not both, so with options the mode enters as its own table (``list_mode_options``)."""
+    if not options:
+        return {"mode": compile_mode}
+    return {"options": {**torch._inductor.list_mode_options(compile_mode), **options}}
+
+
 def _check_dtype(dtype: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of: {', '.join(DTYPES)}")
@@ -79,16 +93,20 @@ def _check_scope(scope: str, model: nn.Module) -> None:
 
 
 def optimize_model(model: nn.Module, compile_mode: str | None = "default", dtype: str | None = None,
-                   tf32: bool = True, compile_scope: str = "model") -> tuple[nn.Module, Settings]:
+                   tf32: bool = True, compile_scope: str = "model",
+                   compile_options: dict | None = None) -> tuple[nn.Module, Settings]:
     """The model with ``dtype`` weights (None: as they are), TF32 on for a CUDA model (a process-wide switch)
     and compiled in ``compile_mode`` (None: eager, the guide's escape hatch). Returns the module to call and
     what was set; the module's parameters are the model's own (compilation wraps, it does not copy).
 
     ``compile_scope``: ``model`` compiles the whole forward as one graph; ``blocks`` compiles each of the
     model's blocks in place (regional compilation, as torchtitan does): identical blocks share one compiled
-    graph, so a deep model compiles in about one block's time, and the embedding, head and loss stay eager."""
+    graph, so a deep model compiles in about one block's time, and the embedding, head and loss stay eager.
+    ``compile_options``: inductor options over the mode's (torchao's rowwise float8 training trains as it does
+    eager only with ``emulate_precision_casts``: pytorch/pytorch#150859)."""
     _check_mode(compile_mode)
     _check_scope(compile_scope, model)
+    _check_options(compile_options)
     settings = Settings(compile_mode=compile_mode, device=next(model.parameters()).device.type)
     if dtype is not None:
         model = model.to(_check_dtype(dtype))
@@ -98,9 +116,9 @@ def optimize_model(model: nn.Module, compile_mode: str | None = "default", dtype
         settings.tf32 = True
     if compile_mode is not None and compile_scope == "blocks":
         for block in model.blocks:
-            block.compile(mode=compile_mode)
+            block.compile(**_compile_kwargs(compile_mode, compile_options))
     elif compile_mode is not None:
-        model = torch.compile(model, mode=compile_mode)
+        model = torch.compile(model, **_compile_kwargs(compile_mode, compile_options))
     return model, settings
 
 
@@ -257,17 +275,18 @@ def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | d
                                     grad_clip: float | None = 1.0, checkpointing: str | None = None,
                                     device: str | torch.device | None = None, fused: bool | None = None,
                                     tf32: bool = True, compile_scope: str = "model", compile_loss: bool = False,
-                                    ) -> tuple[nn.Module, torch.optim.Optimizer, Trainer]:
+                                    compile_options: dict | None = None) -> tuple[nn.Module, torch.optim.Optimizer, Trainer]:
     """(model, optimizer, trainer): the model built (from a config) or taken, on ``device`` (default: CUDA
     where there is one), checkpointing set where given, TF32 on for its steps (``tf32``), compiled in
     ``compile_mode``; AdamW fused
     into one kernel per step (``fused``: None = on CUDA) over ``param_groups``; a
-    ``Trainer`` with autocast to ``dtype`` and gradient clipping. ``compile_scope``: as ``optimize_model``'s;
-    ``compile_loss``: the trainer's default loss (cross-entropy over fp32 logits) compiled too."""
+    ``Trainer`` with autocast to ``dtype`` and gradient clipping. ``compile_scope``, ``compile_options``: as
+    ``optimize_model``'s; ``compile_loss``: the trainer's default loss (cross-entropy over fp32 logits) compiled too."""
     from adaattn.models.transformer import build_model
 
     _check_mode(compile_mode)
     _check_dtype(dtype)
+    _check_options(compile_options)
     if compile_scope not in COMPILE_SCOPES:  # before the model is built
         raise ValueError(f"compile_scope {compile_scope!r} is not one of: {', '.join(COMPILE_SCOPES)}")
     if not lr > 0:
@@ -283,7 +302,8 @@ def create_optimized_training_setup(model_or_config: nn.Module | ModelConfig | d
         fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)
     # TF32: per step (the trainer's)
-    compiled, _ = optimize_model(model, compile_mode=compile_mode, tf32=False, compile_scope=compile_scope)
+    compiled, _ = optimize_model(model, compile_mode=compile_mode, tf32=False, compile_scope=compile_scope,
+                                 compile_options=compile_options)
     return compiled, optimizer, Trainer(compiled, optimizer, dtype=dtype, grad_clip=grad_clip,
                                         tf32=tf32 if device.type == "cuda" else None, compile_loss=compile_loss)
 
