@@ -163,6 +163,45 @@ def test_int4_codes_are_within_half_a_step_and_bad_groups_are_named():
         quantize_weight_only(nn.Sequential(nn.Linear(8, 8)), 2)
 
 
+def test_int4_rows_past_one_run_tinygemm_where_packed_and_give_the_same_product():
+    """tinygemm's form (w = (q - 8) * scale + zero, its scales and zeros (K / group, N, 2)) converted from ours,
+    checked through its CPU twin: 2-64 bf16 rows go through it and match our dequantized weight; one row, other
+    dtypes and a model quantized on the CPU do not; the packed copy stays out of the state dict."""
+    from adaattn.models import quant
+
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64, bias=True).to(torch.bfloat16)
+    q = Int4WeightOnlyLinear.from_linear(linear, 64)
+    dense = q.quant_weight().dense(torch.float32)
+    assert getattr(q, "tiny_weight", None) is None and q.pack_tinygemm() is q
+    for rows in (1, 2, 8, 64):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        y = q._tinygemm(x)
+        assert (y is None) == (rows not in quant.TINYGEMM_ROWS)
+        if y is not None:
+            torch.testing.assert_close(y.float(), x.float() @ dense.t(), atol=0.05, rtol=0.02)
+            torch.testing.assert_close(q(x).float(), x.float() @ dense.t() + linear.bias.float(), atol=0.05,
+                                       rtol=0.02)
+    assert q._tinygemm(torch.randn(8, 256)) is None  # tinygemm takes bf16 rows only
+    assert set(q.state_dict()) == {"weight", "scale", "offset", "bias"}
+    with pytest.raises(ValueError, match="tinygemm needs out_features % 8 == 0"):
+        Int4WeightOnlyLinear.from_linear(nn.Linear(256, 12), 64).pack_tinygemm()
+    model = quantize_weight_only(nn.Sequential(nn.Linear(256, 64)), 4, 64, skip=())
+    assert getattr(model[0], "tiny_weight", None) is None  # packed on a GPU only: the CPU keeps its path
+
+
+def test_int4_tinygemm_rows_trace_with_a_dynamic_batch():
+    """The row check holds under torch.compile with the batch a SymInt (the inference study compiles one decode
+    function for every batch, so its second batch is traced dynamic)."""
+    torch.manual_seed(0)
+    q = Int4WeightOnlyLinear.from_linear(nn.Linear(256, 64, bias=False).to(torch.bfloat16), 64).pack_tinygemm()
+    dense = q.quant_weight().dense(torch.float32)
+    f = torch.compile(q, backend="eager", dynamic=True, fullgraph=True)
+    for rows in (2, 8):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        torch.testing.assert_close(f(x).float(), x.float() @ dense.t(), atol=0.05, rtol=0.02)
+
+
 def test_generate_advances_the_position_on_the_device_and_holds_finished_sequences():
     model = _model()
     setup_kv_cache(model, 2, 16)

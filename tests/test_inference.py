@@ -32,7 +32,7 @@ def _params(update=None):
 def test_the_bytes_a_decode_step_reads():
     from adaattn.models.transformer import build_model
     from adaattn.models.generate import setup_kv_cache
-    from adaattn.models.quant import quantize_int8_weight_only
+    from adaattn.models.quant import Int4WeightOnlyLinear, quantize_int8_weight_only, quantize_weight_only
     from adaattn_experiments.inference.study import cache_bytes, weight_bytes
 
     params = _params()
@@ -51,6 +51,10 @@ def test_the_bytes_a_decode_step_reads():
     before = weight_bytes(model)
     quantize_int8_weight_only(model)
     assert weight_bytes(model) == before - 3 * weights + 4 * rows  # 4 bytes a weight become 1, and a scale a row
+    int4 = quantize_weight_only(build_model(cfg.model_copy(update={"dim": 128})).to(torch.bfloat16), 4, 32)
+    before = weight_bytes(int4)
+    packed = [m.pack_tinygemm() for m in int4.modules() if isinstance(m, Int4WeightOnlyLinear) and m.tinygemm_fits()]
+    assert packed and weight_bytes(int4) == before  # as on a GPU: the same weight again, read instead of ours
 
 
 def test_each_batch_times_prefill_and_decode_side_by_side(monkeypatch, tmp_path):

@@ -65,12 +65,14 @@ def nbytes(t: Tensor) -> int:
 
 def weight_bytes(model: nn.Module) -> int:
     """What a decode step reads of the model: every parameter and buffer but the KV caches, the rotary table and the
-    embedding lookup's table (a step reads B of its rows; a head tied to it is read whole, once, as the head)."""
+    embedding lookup's table (a step reads B of its rows; a head tied to it is read whole, once, as the head).
+    An INT4 layer's tinygemm copy is the same weight in another layout, read instead of ours: counted once."""
     lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     tied = getattr(model, "head", None) is not None and id(model.head.weight) in lookup
     seen, total = set(), 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if id(t) in seen or ".cache." in f".{name}" or name.startswith("rope."):
+        if id(t) in seen or ".cache." in f".{name}" or name.startswith("rope.") or \
+                name.rsplit(".", 1)[-1] in ("tiny_weight", "tiny_sz"):
             continue
         seen.add(id(t))
         if id(t) in lookup and not (tied and t is model.head.weight):

@@ -16,6 +16,24 @@ from adaattn.kernels.decode_proj import QuantWeight, norm_linear
 from adaattn.kernels.runtime import use_triton
 
 INT4_GROUPS = (32, 64, 128, 256)
+# Rows of an INT4 matmul that run PyTorch's own INT4 GEMM (tinygemm, ``aten._weight_int4pack_mm``: what torchao's
+# and gpt-fast's INT4 run) where it is packed: past one row our kernel's tensor-core path unpacks the codes in
+# registers and runs 3-10x slower than bf16 (docs/notebook.md, 2026-11-29). One row stays on our GEMV, which the
+# fused decode step shares.
+TINYGEMM_ROWS = range(2, 65)
+TINYGEMM_K_TILES = 8
+
+
+def tinygemm_unavailable(device: torch.device | str) -> str | None:
+    """Why tinygemm cannot run on ``device`` (None: it can)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None  # its CPU twin (``_weight_int4pack_mm_for_cpu``), a test's stand-in
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"tinygemm is NVIDIA CUDA's (and its CPU twin's); not {device.type}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return f"tinygemm needs compute capability 8.0 or newer; this GPU is {torch.cuda.get_device_capability(device)}"
+    return None
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -90,13 +108,53 @@ class Int4WeightOnlyLinear(nn.Module):
     def quant_weight(self) -> QuantWeight:
         return QuantWeight(self.weight, 4, self.scale, self.offset, self.group_size)
 
+    def tinygemm_fits(self) -> bool:
+        """Whether tinygemm takes this weight's shape (its tiles: 8 output rows, 16 x k-tiles input columns)."""
+        return self.out_features % 8 == 0 and self.in_features % (TINYGEMM_K_TILES * 16) == 0
+
+    def pack_tinygemm(self) -> Int4WeightOnlyLinear:
+        """A copy of the codes in tinygemm's layout beside ours (half a byte a weight more), for the rows in
+        ``TINYGEMM_ROWS``. Its form: w = (q - 8) * scale + zero (so zero = offset + 8 * scale), scales and zeros
+        (K / group, N, 2); on CUDA the codes packed two a byte with the even column in the high nibble (ours: the
+        low), on the CPU twin one code an int32. Buffers not kept in the state dict: the layout is the device's."""
+        why = tinygemm_unavailable(self.weight.device)
+        if why is not None:
+            raise RuntimeError(why)
+        if not self.tinygemm_fits():
+            raise ValueError(f"tinygemm needs out_features % 8 == 0 and in_features % {TINYGEMM_K_TILES * 16} == 0; "
+                             f"got {self.out_features} x {self.in_features}")
+        low, high = self.weight & 15, self.weight >> 4
+        if self.weight.is_cuda:
+            packed = torch._convert_weight_to_int4pack((low << 4 | high).contiguous(), TINYGEMM_K_TILES)
+        else:
+            codes = torch.stack((low, high), dim=-1).reshape(self.out_features, -1).to(torch.int32)
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        zero = self.offset.float() + 8 * self.scale.float()
+        sz = torch.stack((self.scale.float().t(), zero.t()), dim=-1).contiguous().to(torch.bfloat16)
+        self.register_buffer("tiny_weight", packed, persistent=False)
+        self.register_buffer("tiny_sz", sz, persistent=False)
+        return self
+
+    def _tinygemm(self, x2: Tensor) -> Tensor | None:
+        """x2 @ W^T through tinygemm where it is packed for x2's device and takes x2's rows and dtype; else None."""
+        packed, rows = getattr(self, "tiny_weight", None), x2.shape[0]
+        # bounds, not ``in``: under torch.compile with a dynamic batch the rows are a SymInt, which a comparison
+        # guards on and a range's membership test cannot take
+        if packed is None or packed.device != x2.device or not TINYGEMM_ROWS.start <= rows < TINYGEMM_ROWS.stop \
+                or x2.dtype != torch.bfloat16 or x2.requires_grad:
+            return None
+        mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(x2.contiguous(), packed, self.group_size, self.tiny_sz)
+
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
-        w = self.quant_weight()
-        if use_triton(x2, self.weight) and x2.shape[0] <= 64 and not x2.requires_grad:  # decode: the packed bytes
-            y = norm_linear(x2, None, 1.0, w, x.dtype)
-        else:  # prefill is compute-bound: the dense weight once, then the library's matmul
-            y = x2 @ w.dense(x.dtype).t()
+        y = self._tinygemm(x2)
+        if y is None:
+            w = self.quant_weight()
+            if use_triton(x2, self.weight) and x2.shape[0] <= 64 and not x2.requires_grad:  # decode: packed bytes
+                y = norm_linear(x2, None, 1.0, w, x.dtype)
+            else:  # prefill is compute-bound: the dense weight once, then the library's matmul
+                y = x2 @ w.dense(x.dtype).t()
         y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -124,6 +182,9 @@ def quantize_weight_only(model: nn.Module, bits: int = 8, group_size: int = 64, 
             if isinstance(child, nn.Linear) and full not in skip:
                 new = Int8WeightOnlyLinear.from_linear(child, dtype) if bits == 8 else \
                     Int4WeightOnlyLinear.from_linear(child, group_size, dtype)
+                if bits == 4 and new.weight.is_cuda and tinygemm_unavailable(new.weight.device) is None \
+                        and new.tinygemm_fits():
+                    new.pack_tinygemm()
                 setattr(module, child_name, new)
     return model
 
