@@ -41,7 +41,8 @@ class InferenceSweep(_Section):
     weight-only linears). Compiled with CUDA graphs (``torch.compile(decode_one, mode="reduce-overhead")``, the
     README's path): ``compiled`` (the fused decode step, ``models.decode_step``), ``compiled_plain`` (the
     model's own layers: plain compiled PyTorch, the gpt-fast pattern), ``compiled_int8`` and ``compiled_int4``
-    (the fused step over INT8, and INT4 in groups of ``int4_group_size``), ``compiled_torchao_int8`` and
+    (INT8, and INT4 in groups of ``int4_group_size``: the fused step at batch 1, the model's own layers above it,
+    INT4's rows there through tinygemm), ``compiled_torchao_int8`` and
     ``compiled_torchao_int4`` (the model's own layers over torchao's ``Int8WeightOnlyConfig`` and
     ``Int4WeightOnlyConfig``: the peers). ``no_cache``: flash without the KV cache (each new token runs the
     whole prefix again). ``prompt_len`` tokens of prompt; the cache holds ``prompt_len + new_tokens``; weights
