@@ -17,9 +17,9 @@ from adaattn.kernels.runtime import use_triton
 
 INT4_GROUPS = (32, 64, 128, 256)
 # Rows of an INT4 matmul that run PyTorch's own INT4 GEMM (tinygemm, ``aten._weight_int4pack_mm``: what torchao's
-# and gpt-fast's INT4 run) where it is packed: past one row our kernel's tensor-core path unpacks the codes in
-# registers and runs 3-10x slower than bf16 (docs/notebook.md, 2026-11-29). One row stays on our GEMV, which the
-# fused decode step shares.
+# and gpt-fast's INT4 run) where it is packed: past one row our kernel's tensor-core path, which unpacks the codes
+# in registers, was several times slower than tinygemm (docs/notebook.md, 2026-11-29). One row stays on our GEMV,
+# which the fused decode step shares (tinygemm under the model's own layers was no faster there).
 TINYGEMM_ROWS = range(2, 65)
 TINYGEMM_K_TILES = 8
 
