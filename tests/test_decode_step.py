@@ -190,6 +190,21 @@ def test_int4_rows_past_one_run_tinygemm_where_packed_and_give_the_same_product(
     assert getattr(model[0], "tiny_weight", None) is None  # packed on a GPU only: the CPU keeps its path
 
 
+def test_int4_tinygemm_copy_follows_new_codes_and_stays_on_its_device_kind():
+    """Codes loaded from a state dict are packed again (the copy never describes the old ones); a copy on a device
+    of another kind than it was packed on (``.to()`` moves buffers, not layouts) is not used."""
+    torch.manual_seed(0)
+    a = Int4WeightOnlyLinear.from_linear(nn.Linear(256, 64, bias=False).to(torch.bfloat16), 64).pack_tinygemm()
+    b = Int4WeightOnlyLinear.from_linear(nn.Linear(256, 64, bias=False).to(torch.bfloat16), 64)
+    a.load_state_dict(b.state_dict())
+    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    want = x.float() @ b.quant_weight().dense(torch.float32).t()
+    torch.testing.assert_close(a._tinygemm(x).float(), want, atol=0.05, rtol=0.02)
+    a.tiny_device_type = "cuda"  # as if packed on a GPU and moved here
+    assert a._tinygemm(x) is None
+    torch.testing.assert_close(a(x).float(), want, atol=0.05, rtol=0.02)
+
+
 def test_int4_tinygemm_rows_trace_with_a_dynamic_batch():
     """The row check holds under torch.compile with the batch a SymInt (the inference study compiles one decode
     function for every batch, so its second batch is traced dynamic)."""

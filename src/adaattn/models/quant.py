@@ -86,6 +86,9 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("scale", torch.ones(groups, dtype=dtype, device=device))
         self.register_buffer("offset", torch.zeros(groups, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.tiny_device_type: str | None = None  # where the tinygemm copy was packed: its layout is that device's
+        # new codes from a state dict: the copy is packed again from them, never left describing the old ones
+        self.register_load_state_dict_post_hook(Int4WeightOnlyLinear._repack)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int, dtype: torch.dtype | None = None) -> Int4WeightOnlyLinear:
@@ -133,15 +136,22 @@ class Int4WeightOnlyLinear(nn.Module):
         sz = torch.stack((self.scale.float().t(), zero.t()), dim=-1).contiguous().to(torch.bfloat16)
         self.register_buffer("tiny_weight", packed, persistent=False)
         self.register_buffer("tiny_sz", sz, persistent=False)
+        self.tiny_device_type = self.weight.device.type
         return self
+
+    def _repack(self, _incompatible_keys) -> None:
+        if self.tiny_device_type is not None:
+            self.pack_tinygemm()
 
     def _tinygemm(self, x2: Tensor) -> Tensor | None:
         """x2 @ W^T through tinygemm where it is packed for x2's device and takes x2's rows and dtype; else None."""
         packed, rows = getattr(self, "tiny_weight", None), x2.shape[0]
         # bounds, not ``in``: under torch.compile with a dynamic batch the rows are a SymInt, which a comparison
-        # guards on and a range's membership test cannot take
-        if packed is None or packed.device != x2.device or not TINYGEMM_ROWS.start <= rows < TINYGEMM_ROWS.stop \
-                or x2.dtype != torch.bfloat16 or x2.requires_grad:
+        # guards on and a range's membership test cannot take. A copy moved by ``.to()`` to another kind of device
+        # keeps the layout of the one it was packed on: not used there (``pack_tinygemm()`` again packs for it)
+        if packed is None or packed.device != x2.device or x2.device.type != self.tiny_device_type or \
+                not TINYGEMM_ROWS.start <= rows < TINYGEMM_ROWS.stop or x2.dtype != torch.bfloat16 or \
+                x2.requires_grad:
             return None
         mm = torch.ops.aten._weight_int4pack_mm if x2.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
         return mm(x2.contiguous(), packed, self.group_size, self.tiny_sz)
