@@ -20,8 +20,8 @@ price of not launching it. Weights are 16-bit (``nn.Linear``), INT8 with a scale
 in groups of K with a scale and an offset per group (two values a byte, low nibble first), dequantized in
 registers: the kernels read the packed bytes. One row (GEMV) is fp32 multiply-adds; more rows run on tensor
 cores (rows padded to 16), fp32 accumulation; with Programmatic Dependent Launch (``pdl=True``, Hopper and
-newer) each kernel launches while the one before it drains and waits (``griddepcontrol.wait``) only before
-reading its inputs.
+newer) each kernel launches while the one before it drains, issues the loads of its first weights (which no
+kernel writes) and waits (``griddepcontrol.wait``) only before reading its inputs.
 """
 
 from __future__ import annotations
@@ -79,36 +79,53 @@ def _int4_dense(p, s, z, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def _rows(acc, part, x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, n, nmask, m, mmask, k0, k_hi, K, sx, rstd,
+def _wload(w_ptr, n, nmask, k0, k_hi, K, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight rows n, columns k0 .. k0 + BLOCK_K (INT4: the bytes that hold them). Apart from the arithmetic
+    so that a kernel issues its first step's loads before it waits on the previous kernel."""
+    if BITS == 4:
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        w = tl.load(w_ptr + n[:, None] * (K // 2) + kb[None, :], mask=nmask[:, None] & (kb < k_hi // 2)[None, :],
+                    other=0)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & (k < k_hi)[None, :], other=0)
+    return w
+
+
+@triton.jit
+def _rows(acc, part, w, x_ptr, nw_ptr, s_ptr, z_ptr, n, nmask, m, mmask, k0, k_hi, K, sx, rstd,
           NORM: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GEMV: tl.constexpr, FP32: tl.constexpr,
           DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K step of weight rows n: the tensor-core sum into acc (BLOCK_M, BLOCK_N), or with GEMV (one row)
-    fp32 multiply-adds into part (BLOCK_N, BLOCK_K; INT4: BLOCK_N, BLOCK_K / GROUP, a sum a group)."""
+    """One K step of weight rows n, their tile w (``_wload``): the tensor-core sum into acc (BLOCK_M, BLOCK_N),
+    or with GEMV (one row) fp32 multiply-adds into part (BLOCK_N, PART). A GEMV sums as it goes, over each
+    thread's 16-byte load (INT4: over each group, which its scale needs): an fp32 tile the width of the K step
+    held registers that the loads in flight need."""
     if BITS == 4:  # byte j of a row holds columns 2j (low nibble) and 2j + 1 (high)
         kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         bmask = kb < k_hi // 2
-        p = tl.load(w_ptr + n[:, None] * (K // 2) + kb[None, :], mask=nmask[:, None] & bmask[None, :], other=0)
-        xe = _x_tile(x_ptr, nw_ptr, m, 2 * kb, mmask, bmask, sx, rstd, NORM)
-        xo = _x_tile(x_ptr, nw_ptr, m, 2 * kb + 1, mmask, bmask, sx, rstd, NORM)
         kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         gmask = nmask[:, None] & (kg < k_hi // GROUP)[None, :]
         sc = tl.load(s_ptr + n[:, None] * (K // GROUP) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
         zo = tl.load(z_ptr + n[:, None] * (K // GROUP) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
         if GEMV:  # sum(q x) a group, times its scale, plus its offset times sum(x): the codes are never scaled
-            t = (p & 15).to(tl.float32) * xe + (p >> 4).to(tl.float32) * xo
-            tg = tl.sum(tl.reshape(t, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2)
-            xg = tl.sum(tl.reshape(xe + xo, (1, BLOCK_K // GROUP, GROUP // 2)), axis=2)
+            k = k0 + tl.arange(0, BLOCK_K)  # the codes unpacked in place against one contiguous load of x
+            xv = _x_tile(x_ptr, nw_ptr, m, k, mmask, k < k_hi, sx, rstd, NORM)
+            q = tl.reshape(tl.join(w & 15, w >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
+            tg = tl.sum(tl.reshape(q * xv, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2)
+            xg = tl.sum(tl.reshape(xv, (1, BLOCK_K // GROUP, GROUP)), axis=2)
             part += tg * sc + xg * zo
         else:
-            acc = _dot(acc, xe, _int4_dense(p & 15, sc, zo, DT, BLOCK_N, BLOCK_K, GROUP), FP32)
-            acc = _dot(acc, xo, _int4_dense(p >> 4, sc, zo, DT, BLOCK_N, BLOCK_K, GROUP), FP32)
+            xe = _x_tile(x_ptr, nw_ptr, m, 2 * kb, mmask, bmask, sx, rstd, NORM)
+            xo = _x_tile(x_ptr, nw_ptr, m, 2 * kb + 1, mmask, bmask, sx, rstd, NORM)
+            acc = _dot(acc, xe, _int4_dense(w & 15, sc, zo, DT, BLOCK_N, BLOCK_K, GROUP), FP32)
+            acc = _dot(acc, xo, _int4_dense(w >> 4, sc, zo, DT, BLOCK_N, BLOCK_K, GROUP), FP32)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < k_hi
-        xv = _x_tile(x_ptr, nw_ptr, m, k, mmask, kmask, sx, rstd, NORM)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+        xv = _x_tile(x_ptr, nw_ptr, m, k, mmask, k < k_hi, sx, rstd, NORM)
         if GEMV:
-            part += (_i8_f32(w) if BITS == 8 else w.to(tl.float32)) * xv
+            t = (_i8_f32(w) if BITS == 8 else w.to(tl.float32)) * xv
+            VEC: tl.constexpr = 16 if BITS == 8 else 8  # elements in a 16-byte load
+            part += tl.sum(tl.reshape(t, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
         else:
             acc = _dot(acc, xv, w.to(DT), FP32)
     return acc, part
@@ -133,11 +150,16 @@ def _proj_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, out_ptr, cos_ptr, sin_ptr, 
     DT: tl.constexpr = tl.float32 if FP32 else nw_ptr.dtype.element_ty
     GEMV: tl.constexpr = BLOCK_M == 1  # one row: fp32 multiply-adds, no tensor-core tile padded to 16 rows
     TWO_SETS: tl.constexpr = EPI == _SWIGLU or EPI == _ROPE
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    # the weights do not depend on the previous kernel: the first K step's loads go out before the wait
+    wa = _wload(w_ptr, n, nmask, k_lo, k_hi, K, BITS, BLOCK_K)
+    wb = wa
+    if TWO_SETS:
+        wb = _wload(w_ptr, n + TWO, nmask, k_lo, k_hi, K, BITS, BLOCK_K)
     if PDL:  # everything above overlaps the previous kernel's tail; inputs are read only after it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    k_lo = split * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     rstd = tl.zeros((BLOCK_M,), tl.float32)
     if NORM:  # the row's RMS over all K, whatever this program's K range
         ss = tl.zeros((BLOCK_M,), tl.float32)
@@ -149,14 +171,22 @@ def _proj_kernel(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, out_ptr, cos_ptr, sin_ptr, 
         rstd = tl.rsqrt(ss / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    PART: tl.constexpr = (BLOCK_K // GROUP if BITS == 4 else BLOCK_K) if GEMV else 1
+    # GEMV partial sums (``_rows``): one a group for INT4, one a thread's 16-byte load for INT8 and 16-bit weights
+    PART: tl.constexpr = (BLOCK_K // GROUP if BITS == 4 else BLOCK_K // (16 if BITS == 8 else 8)) if GEMV else 1
     part = tl.zeros((BLOCK_N, PART), tl.float32)
     part2 = tl.zeros((BLOCK_N, PART), tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        acc, part = _rows(acc, part, x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, n, nmask, m, mmask, k0, k_hi, K, sx,
-                          rstd, NORM, BITS, GROUP, GEMV, FP32, DT, BLOCK_N, BLOCK_K)
+    acc, part = _rows(acc, part, wa, x_ptr, nw_ptr, s_ptr, z_ptr, n, nmask, m, mmask, k_lo, k_hi, K, sx, rstd,
+                      NORM, BITS, GROUP, GEMV, FP32, DT, BLOCK_N, BLOCK_K)
+    if TWO_SETS:
+        acc2, part2 = _rows(acc2, part2, wb, x_ptr, nw_ptr, s_ptr, z_ptr, n + TWO, nmask, m, mmask, k_lo, k_hi, K,
+                            sx, rstd, NORM, BITS, GROUP, GEMV, FP32, DT, BLOCK_N, BLOCK_K)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w = _wload(w_ptr, n, nmask, k0, k_hi, K, BITS, BLOCK_K)
+        acc, part = _rows(acc, part, w, x_ptr, nw_ptr, s_ptr, z_ptr, n, nmask, m, mmask, k0, k_hi, K, sx, rstd,
+                          NORM, BITS, GROUP, GEMV, FP32, DT, BLOCK_N, BLOCK_K)
         if TWO_SETS:
-            acc2, part2 = _rows(acc2, part2, x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, n + TWO, nmask, m, mmask, k0, k_hi,
+            w2 = _wload(w_ptr, n + TWO, nmask, k0, k_hi, K, BITS, BLOCK_K)
+            acc2, part2 = _rows(acc2, part2, w2, x_ptr, nw_ptr, s_ptr, z_ptr, n + TWO, nmask, m, mmask, k0, k_hi,
                                 K, sx, rstd, NORM, BITS, GROUP, GEMV, FP32, DT, BLOCK_N, BLOCK_K)
     if GEMV:
         acc = tl.sum(part, axis=1)[None, :]
@@ -230,18 +260,18 @@ def _args(w: QuantWeight) -> tuple[Tensor, Tensor, Tensor]:
 
 # Launch configs (BLOCK_N, BLOCK_K, warps, stages, GEMV) by rows (1, up to 16, up to 64), projection and weight
 # bits. One row: each projection's config swept inside llama_1b's whole step on an H200, one projection at a time,
-# the rest held (notebook, 2026-11-29); more rows: a sweep of each projection alone. One row reads the weight with
-# fp32 multiply-adds (GEMV); INT4 rows of the output and down projections, INT8 rows of the output and head read
-# faster on tensor cores, whose dequantization is spread over more threads. Not tuned per GPU at run time: each
-# config is a compile, dozens a model.
-_GEMV_BF16 = {"qkv": (4, 1024, 8, 1), "o": (8, 1024, 4, 1), "gate_up": (4, 1024, 4, 1), "down": (16, 512, 8, 2),
+# the rest held (notebook, 2026-11-30); more rows: a sweep of each projection alone. One row reads the weight with
+# fp32 multiply-adds (GEMV), but INT8's output projection, which read faster on tensor cores (its dequantization
+# spread over more threads); the head is 16-bit in the quantized models, so their head entries are not swept. Not
+# tuned per GPU at run time: each config is a compile, dozens a model.
+_GEMV_BF16 = {"qkv": (8, 2048, 8, 1), "o": (8, 1024, 4, 1), "gate_up": (4, 1024, 2, 1), "down": (8, 2048, 8, 1),
               "head": (8, 1024, 4, 1)}
 _CONFIGS = {
     (1, 16): {k: (*v, True) for k, v in _GEMV_BF16.items()},
-    (1, 8): {"qkv": (4, 1024, 8, 1, True), "o": (64, 128, 4, 4, False), "gate_up": (8, 256, 2, 4, True),
-             "down": (32, 512, 8, 1, True), "head": (64, 128, 4, 4, False)},
-    (1, 4): {"qkv": (8, 2048, 8, 1, True), "o": (128, 128, 8, 3, False), "gate_up": (8, 1024, 4, 1, True),
-             "down": (128, 128, 8, 3, False), "head": (8, 1024, 4, 1, True)},
+    (1, 8): {"qkv": (4, 2048, 4, 1, True), "o": (64, 128, 4, 4, False), "gate_up": (4, 1024, 2, 1, True),
+             "down": (2, 4096, 4, 1, True), "head": (64, 128, 4, 4, False)},
+    (1, 4): {"qkv": (4, 2048, 8, 1, True), "o": (2, 1024, 4, 1, True), "gate_up": (8, 1024, 4, 1, True),
+             "down": (2, 2048, 4, 1, True), "head": (8, 1024, 4, 1, True)},
     (16, 16): {"qkv": (16, 256, 4, 3, False), "o": (32, 256, 4, 3, False), "gate_up": (128, 128, 8, 3, False),
                "down": (64, 256, 8, 3, False), "head": (128, 128, 8, 3, False)},
     (16, 8): {"qkv": (16, 256, 4, 3, False), "o": (64, 128, 4, 4, False), "gate_up": (64, 256, 8, 3, False),
