@@ -11,6 +11,7 @@ from torch import nn
 
 import adaattn.kernels.decode_proj as dp
 from adaattn.kernels.decode_attention import decode_attention_ref
+from adaattn.kernels.quant_weight import _norm_ref
 from adaattn.models import decode_step
 from adaattn.models.config import ModelConfig
 from adaattn.models.generate import clear_kv_cache, decode_one, generate, prefill, setup_kv_cache
@@ -80,7 +81,7 @@ def test_the_rope_reference_is_the_models_rotation():
     cos, sin = rope_cache(M, D)
     k_cache, v_cache = torch.zeros(2, G, M, D), torch.zeros(2, G, M, D)
     q = dp.norm_qkv_rope_ref(x, nw, 1e-6, w, cos, sin, torch.tensor([7]), k_cache, v_cache, H)
-    qkv = (dp._norm_ref(x, nw, 1e-6) @ w.data.t()).view(2, 1, -1, D)  # (B, S=1, heads, D)
+    qkv = (_norm_ref(x, nw, 1e-6) @ w.data.t()).view(2, 1, -1, D)  # (B, S=1, heads, D)
     want_q, want_k = rope_ref(qkv[:, :, :H], qkv[:, :, H:H + G], cos[7:8], sin[7:8])
     torch.testing.assert_close(q, want_q[:, 0])
     torch.testing.assert_close(k_cache[:, :, 7], want_k[:, 0])

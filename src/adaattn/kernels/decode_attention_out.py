@@ -19,7 +19,8 @@ import triton.language as tl
 from torch import Tensor
 
 from adaattn.kernels.decode_attention import check_decode_attention, decode_attention_ref, launch_partials
-from adaattn.kernels.decode_proj import QuantWeight, _check, _i8_f32, _quant, add_linear_ref
+from adaattn.kernels.decode_proj import _check, _i8_f32
+from adaattn.kernels.quant_weight import QuantWeight, _quant, add_linear_ref
 from adaattn.kernels.runtime import interpreter, sm_count, use_triton
 
 
