@@ -18,7 +18,8 @@ CUDA-graph decoders are built (four a layer; with the attention's two, ``kernels
 The norm is recomputed by every program from the row it reads anyway (a row of 2K values from L2), the
 price of not launching it. Weights are 16-bit (``nn.Linear``), INT8 with a scale per output channel, or INT4
 in groups of K with a scale and an offset per group (two values a byte, low nibble first), dequantized in
-registers: the kernels read the packed bytes. One row (GEMV) is fp32 multiply-adds; more rows run on tensor
+registers: the kernels read the packed bytes. One row (GEMV) is fp32 multiply-adds, the INT8 and INT4 codes
+made fp32 by their bits, not by the conversion unit (slow on Hopper); more rows run on tensor
 cores (rows padded to 16), fp32 accumulation; with Programmatic Dependent Launch (``pdl=True``, Hopper and
 newer) each kernel launches while the one before it drains, issues the loads of its first weights (which no
 kernel writes) and waits (``griddepcontrol.wait``) only before reading its inputs.
@@ -64,9 +65,14 @@ def _dot(acc, xv, w, FP32: tl.constexpr):
 def _i8_f32(w):
     """int8 -> fp32 without the conversion unit (Hopper's I2F issues at an eighth of the FMA rate, about the
     rate the GEMV's own bytes arrive): w + 128 in the low bits of 2^23's float, then 2^23 + 128 taken off.
-    Exact for every int8. The INT4 codes keep their conversion: the same trick made INT4's step no faster
-    (docs/notebook.md, 2026-11-29)."""
+    Exact for every int8."""
     return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _nib_f32(c):
+    """A 4-bit code c as the fp32 1 + c / 16, c placed in the mantissa of 1.0: no conversion unit, exact."""
+    return ((c.to(tl.int32) << 19) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -107,11 +113,13 @@ def _rows(acc, part, w, x_ptr, nw_ptr, s_ptr, z_ptr, n, nmask, m, mmask, k0, k_h
         sc = tl.load(s_ptr + n[:, None] * (K // GROUP) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
         zo = tl.load(z_ptr + n[:, None] * (K // GROUP) + kg[None, :], mask=gmask, other=0.0).to(tl.float32)
         if GEMV:  # sum(q x) a group, times its scale, plus its offset times sum(x): the codes are never scaled
-            k = k0 + tl.arange(0, BLOCK_K)  # the codes unpacked in place against one contiguous load of x
-            xv = _x_tile(x_ptr, nw_ptr, m, k, mmask, k < k_hi, sx, rstd, NORM)
-            q = tl.reshape(tl.join(w & 15, w >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
-            tg = tl.sum(tl.reshape(q * xv, (BLOCK_N, BLOCK_K // GROUP, GROUP)), axis=2)
-            xg = tl.sum(tl.reshape(xv, (1, BLOCK_K // GROUP, GROUP)), axis=2)
+            k = k0 + tl.arange(0, BLOCK_K)  # one contiguous load of x, split into even and odd columns in a thread
+            xe, xo = tl.split(tl.reshape(_x_tile(x_ptr, nw_ptr, m, k, mmask, k < k_hi, sx, rstd, NORM),
+                                         (1, BLOCK_K // 2, 2)))
+            # each code read in its byte as 1 + c / 16 (_nib_f32), then sum(c x) = 16 (sum((1 + c / 16) x) - sum(x))
+            t = _nib_f32(w & 15) * xe + _nib_f32(w >> 4) * xo
+            xg = tl.sum(tl.reshape(xe + xo, (1, BLOCK_K // GROUP, GROUP // 2)), axis=2)
+            tg = 16.0 * (tl.sum(tl.reshape(t, (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), axis=2) - xg)
             part += tg * sc + xg * zo
         else:
             xe = _x_tile(x_ptr, nw_ptr, m, 2 * kb, mmask, bmask, sx, rstd, NORM)
@@ -238,8 +246,8 @@ _CONFIGS = {
     (1, 16): {k: (*v, True) for k, v in _GEMV_BF16.items()},
     (1, 8): {"qkv": (4, 2048, 4, 1, True), "o": (64, 128, 4, 4, False), "gate_up": (4, 1024, 2, 1, True),
              "down": (2, 4096, 4, 1, True), "head": (64, 128, 4, 4, False)},
-    (1, 4): {"qkv": (4, 2048, 8, 1, True), "o": (2, 1024, 4, 1, True), "gate_up": (8, 1024, 4, 1, True),
-             "down": (2, 2048, 4, 1, True), "head": (8, 1024, 4, 1, True)},
+    (1, 4): {"qkv": (4, 2048, 8, 1, True), "o": (4, 1024, 4, 1, True), "gate_up": (4, 2048, 4, 1, True),
+             "down": (8, 2048, 8, 1, True), "head": (8, 1024, 4, 1, True)},
     (16, 16): {"qkv": (16, 256, 4, 3, False), "o": (32, 256, 4, 3, False), "gate_up": (128, 128, 8, 3, False),
                "down": (64, 256, 8, 3, False), "head": (128, 128, 8, 3, False)},
     (16, 8): {"qkv": (16, 256, 4, 3, False), "o": (64, 128, 4, 4, False), "gate_up": (64, 256, 8, 3, False),
