@@ -35,8 +35,8 @@ def test_blocks_take_the_tokens_the_card_counts(routing):
     cfg = _hydra(**ROUTINGS[routing])
     model = Transformer(cfg).train()
     runs: list[tuple[int, int]] = []
-    for i, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(lambda mod, args, i=i: runs.append((i, args[0].shape[1])))
+    for i, block in enumerate(model.blocks):  # the MLP: a MoD block routes in its forward, before its layers
+        block.mlp.register_forward_pre_hook(lambda mod, args, i=i: runs.append((i, args[0].shape[1])))
     t = _tokens(cfg)
     model.loss(t[:, :-1], t[:, 1:]).backward()
     assert runs == applications(cfg, 24)
@@ -77,6 +77,18 @@ def test_routed_checkpointing_gives_the_gradients_of_none(granularity):
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_routed_block_compiles_with_its_routing_in_one_graph():
+    """A MoD block routes in its forward, so that compiling the block (``compile_scope="blocks"``) takes its
+    router, top-k, gathers, gate and scatter with it: fullgraph fails on any graph break."""
+    torch.manual_seed(0)
+    model = Transformer(_hydra(mod_capacity=0.25)).train()
+    block = next(b for b in model.blocks if b.router is not None)
+    x, pos = torch.randn(2, 24, 64), torch.arange(24).expand(2, 24)
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    for got, want in zip(compiled(x, pos), block(x, pos), strict=True):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("routing", ["none", "mor_mod"])

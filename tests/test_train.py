@@ -21,8 +21,9 @@ TOY = {"batch": 2, "seq_len": 32, "steps": 6, "lr": 0.003, "warmup": 2, "log_eve
        "eval_batches": 2, "dtype": "fp32"}
 
 
-def _params(update=None):
+def _params(update=None, goals=None):
     raw = copy.deepcopy(load_raw(PARAMS))
+    raw["train"]["goals"].update(goals or {})
     # PyTorch's MLP and norm: the zoo's kernels run interpreted under the tests' TRITON_INTERPRET
     for name in raw["train"]["cpu"]["models"]:
         raw["models"][name].update({"n_layers": 3, "mlp": "gelu", "norm": "layernorm"})
@@ -92,10 +93,12 @@ def test_a_run_logs_curves_and_its_weights_load_back_to_the_same_validation_loss
         logged = mine[(mine.metric == "val_loss") & (mine.step == 6)].value.item()
         optimizer = torch.optim.AdamW(loaded.parameters())
         assert evaluate(Trainer(loaded, optimizer, dtype="fp32"), val) == pytest.approx(logged, rel=1e-5)
-    section, price = render(pd.concat([df, fp8]), tmp_path)
+    section, price, hydra = render(pd.concat([df, fp8]), tmp_path)
     assert all(m in section.markdown for m in run.models) and (tmp_path / "train_loss_cpu.png").exists()
     (verdict,) = price.verdicts
     assert verdict.verdict == "not measurable here" and "compute capability" in verdict.reason
+    # HYDRA's goals name GPU presets: on a CPU each is a row that says why, none judged
+    assert {v.verdict for v in hydra.verdicts} == {"not measurable here"} and len(hydra.verdicts) == 4
     # MLflow: one run per model, each curve a metric's history over the steps
     runs = list(_child_runs(df[df.provider != "corpus"], study.config_columns))
     assert sorted(name.split(" · ")[0] for name, *_ in runs) == sorted(run.models)
@@ -128,7 +131,7 @@ def test_fp8s_price_trains_twins_from_the_same_weights_on_the_same_batches(tmp_p
     losses = [m for m in twin.index if m[0] in ("train_loss", "val_loss")]
     assert len(losses) == 4 and all(twin[m] == fp8[m] for m in losses)
     assert not (tmp_path / "weights" / "cpu" / "dense_small-fp32.pt").exists()  # the price keeps no weights
-    _, price = report.render(df, tmp_path)
+    _, price, _ = report.render(df, tmp_path)
     (verdict,) = price.verdicts
     assert verdict.verdict == "holds" and verdict.measured.startswith("1.0000") and "dense_small-fp8_rowwise" in price.markdown
     # the band is params.yaml's, either way: 2% worse, or 2% better, is outside 1%
@@ -179,11 +182,49 @@ def test_equal_quality_reads_each_models_wall_clock_to_the_loss_both_reach(tmp_p
     assert "fast-fp8_rowwise" not in table
 
 
+def test_hydras_goals_read_each_pair_trained_in_one_run(tmp_path, monkeypatch):
+    """HYDRA against its dense peer: the tokens/s ratio and the wall-clock ratio to the loss both reach, judged
+    against params.yaml's bounds; a pair the run did not train is a row that says so, not a verdict."""
+    from adaattn_experiments.train import report
+
+    base = {"target": "h200", "hardware": "test gpu", "table_id": "train", "batch": 4, "seq_len": 250,
+            "mode": "eval", "status": "ok", "reason": "", "cuda": "13.0", "precision": "bf16", "kernel": ""}
+
+    def rows(hydra_rate):
+        out = []
+        for run, rate, curve in (("hydra_100m", hydra_rate, [(100, 2.0), (200, 1.0)]),
+                                 ("dense_100m", 1e5, [(200, 1.8), (400, 1.5)])):
+            one = {**base, "provider": run, "model": run, "case_id": f"train/{run}"}
+            out += [{**one, "metric": "val_loss", "step": s, "value": v} for s, v in curve]
+            out.append({**one, "mode": "step", "metric": "tokens_per_s", "value": rate})
+        return pd.DataFrame(out)
+
+    monkeypatch.setattr(report, "goals", lambda: report.TrainGoals(
+        hydra_pairs={"hydra_100m": "dense_100m", "hydra_1b": "llama_1b"}))
+    # HYDRA at 1,000 tokens/s reaches 1.5 at step 150 (150 s), dense at step 400 at 10 ms a step (4 s)
+    speed, time, *missing = report.render(rows(1e3), tmp_path)[2].verdicts
+    assert (speed.measured, speed.verdict) == ("0.010x", "worse than claimed")
+    assert (time.measured, time.verdict) == ("37.50x", "worse than claimed")
+    assert [v.verdict for v in missing] == ["not measured yet"] * 2 and "hydra_1b, llama_1b" in missing[0].reason
+    # 200x faster: 2x dense's tokens/s, 0.19x its wall-clock
+    speed, time, *_ = report.render(rows(2e5), tmp_path)[2].verdicts
+    assert (speed.verdict, time.verdict) == ("holds", "holds") and time.measured == "0.19x"
+    monkeypatch.setattr(report, "goals", lambda: report.TrainGoals(hydra_pairs={"hydra_100m": "dense_100m"},
+                                                                   hydra_tokens_ratio=2.5))
+    assert report.render(rows(2e5), tmp_path)[2].verdicts[0].verdict == "worse than claimed"
+
+
+def test_hydra_pairs_name_presets():
+    with pytest.raises(ConfigError) as err:
+        _params(goals={"hydra_pairs": {"hydra_7b": "dense_small"}})
+    assert "train.goals.hydra_pairs: 'hydra_7b' is not a preset of models" in str(err.value)
+
+
 @pytest.mark.parametrize("update, message", [
     ({"warmup": 6}, "warmup=6 must be below steps=6"),
     ({"models": ["hydra_7b"]}, "train.cpu.models: 'hydra_7b' is not a preset of models"),
     ({"lr": 0}, "lr"),
-    ({"compile_mode": "reduce-overhead"}, "compile_mode"),
+    ({"compile_mode": "max-autotune"}, "compile_mode"),
     ({"float8": {"models": ["dense_small"], **TOY, "recipe": "blockwise"}}, "recipe"),
     ({"float8": {"models": ["hydra_7b"], **TOY}}, "train.cpu.float8.models: 'hydra_7b' is not a preset"),
 ])

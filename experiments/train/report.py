@@ -51,15 +51,16 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                  table=md_table(pd.DataFrame(table)) if table else "no results",
                  equal=md_table(pd.DataFrame(_equal_quality(ok))) if len(ok) else "no results")
     return [Section("train", "HYDRA against a dense model of equal parameters (trained on real text)",
-                    text + _curves(ok, out_dir)), _float8(runs, finals, cpu_targets(df))]
+                    text + _curves(ok, out_dir)), _float8(runs, finals, cpu_targets(df)),
+            _hydra(runs, ok, cpu_targets(df))]
 
 
-def _equal_quality(ok: pd.DataFrame) -> list[dict]:
+def _wall_clock(ok: pd.DataFrame) -> dict[str, dict[str, dict]]:
     """Per target, the wall-clock each main run (the bf16 and fp32 runs of ``models``, not FP8's twins) takes to
     reach the validation loss every one of them reaches (the worst final one): its steps there, read off its
     validation curve by linear interpolation between evaluations, times its steady step time (the tokens/s row;
     evaluation and the first interval's compile and warm-up not counted)."""
-    out = []
+    out = {}
     main = ok[ok["provider"] == ok["model"]]
     for target, frame in main.groupby("target", sort=False):
         curves, step_s = {}, {}
@@ -72,14 +73,58 @@ def _equal_quality(ok: pd.DataFrame) -> list[dict]:
         if len(curves) < 2:
             continue
         goal = max(c[-1][1] for c in curves.values())
-        reached = {run: _first_step_at(curve, goal) for run, curve in curves.items()}
-        fastest = min(reached[r] * step_s[r] for r in curves)
-        for run, curve in curves.items():
-            seconds = reached[run] * step_s[run]
-            out.append({"target": target, "run": run, "validation loss reached": fmt(goal),
-                        "steps to reach it": fmt(reached[run]), "steady step ms": fmt(step_s[run] * 1e3),
-                        "wall-clock s": fmt(seconds), "x the fastest": f"{seconds / fastest:.2f}"})
+        out[target] = {run: {"loss": goal, "steps": _first_step_at(curve, goal), "step_s": step_s[run]}
+                       for run, curve in curves.items()}
+        for r in out[target].values():
+            r["seconds"] = r["steps"] * r["step_s"]
     return out
+
+
+def _equal_quality(ok: pd.DataFrame) -> list[dict]:
+    out = []
+    for target, runs in _wall_clock(ok).items():
+        fastest = min(r["seconds"] for r in runs.values())
+        out += [{"target": target, "run": run, "validation loss reached": fmt(r["loss"]),
+                 "steps to reach it": fmt(r["steps"]), "steady step ms": fmt(r["step_s"] * 1e3),
+                 "wall-clock s": fmt(r["seconds"]), "x the fastest": f"{r['seconds'] / fastest:.2f}"}
+                for run, r in runs.items()]
+    return out
+
+
+def _hydra(runs: pd.DataFrame, ok: pd.DataFrame, cpus: set[str]) -> Section:
+    """Issue 67's HYDRA goals, per target and ``train.goals.hydra_pairs`` pair trained in that run: HYDRA's
+    steady tokens/s over its dense peer's (at least ``hydra_tokens_ratio``) and its wall-clock to the loss both
+    reach over the peer's (at most ``hydra_time_ratio``; ``_wall_clock``). One run each: a point, no interval."""
+    g, verdicts, table = goals(), [], []
+    clock = _wall_clock(ok)
+    for target, frame in runs.groupby("target", sort=False):
+        hw = frame["hardware"].iloc[0]
+        rate = ok[(ok["target"] == target) & (ok["metric"] == "tokens_per_s") & (ok["provider"] == ok["model"])]
+        rate = rate.set_index("provider")["value"]
+        for hydra, dense in g.hydra_pairs.items():
+            claims = (f"{hydra}: at least {g.hydra_tokens_ratio:g}x {dense}'s tokens/s (issue 67)",
+                      f"{hydra}: at most {g.hydra_time_ratio:g}x {dense}'s wall-clock to the validation loss both "
+                      "reach (issue 67)")
+            bands = (f">= {g.hydra_tokens_ratio:g}x", f"<= {g.hydra_time_ratio:g}x")
+            if hydra not in rate or dense not in rate:
+                missing = ", ".join(m for m in (hydra, dense) if m not in rate)
+                verdict = "not measurable here" if target in cpus else "not measured yet"
+                why = ("a GPU goal; " if target in cpus else "") + f"no run of {missing} in this target's results"
+                verdicts += [Verdict("G4-C1", c, b, "-", hw, verdict, why) for c, b in zip(claims, bands)]
+                continue
+            speed = float(rate[hydra]) / float(rate[dense])
+            verdicts.append(Verdict("G4-C1", claims[0], bands[0], f"{speed:.3f}x", hw,
+                                    judge((speed, speed), (g.hydra_tokens_ratio, None)),
+                                    "one run each, the same batches: tokens/s after the first logged interval"))
+            pair = {run: clock.get(target, {}).get(run) for run in (hydra, dense)}
+            time = pair[hydra]["seconds"] / pair[dense]["seconds"] if all(pair.values()) else math.nan
+            verdicts.append(Verdict("G4-C1", claims[1], bands[1], "-" if math.isnan(time) else f"{time:.2f}x", hw,
+                                    judge((time, time), (None, g.hydra_time_ratio), higher_is_better=False),
+                                    "one run each, the same batches: steps to the loss x the steady step time"))
+            table.append({"target": target, "HYDRA": hydra, "dense": dense, "tokens/s ratio": f"{speed:.3f}",
+                          "wall-clock ratio": "-" if math.isnan(time) else f"{time:.2f}"})
+    md = prose(__file__, "hydra", table=md_table(pd.DataFrame(table)) if table else "no pair trained in one run")
+    return Section("G4-C1", "HYDRA's speed and wall-clock against its dense peer (issue 67)", md, verdicts)
 
 
 def _first_step_at(curve: list[tuple[int, float]], loss: float) -> float:

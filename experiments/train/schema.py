@@ -14,11 +14,11 @@ from adaattn_pipeline.config import Section as _Section
 
 class CompiledSchedule(TrainSchedule):
     """A schedule whose model is compiled as ``optimize_model`` compiles it (``compile_mode`` None: eager).
-    ``blocks``: each block compiled in place, one graph the blocks share (HYDRA's whole forward, its blocks'
-    calls with the routing between them, compiles much longer as one graph: docs/notebook.md, twenty-first
-    session, item 11)."""
+    ``blocks``: each block compiled in place, one graph the blocks share (HYDRA's whole forward compiles much
+    longer as one graph: docs/notebook.md, twenty-first session, item 11). ``reduce-overhead``: CUDA graphs, which
+    HYDRA's many small launches need (the trainer sets gradients to None each step, as graph replay requires)."""
 
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] | None = None
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] | None = None
     compile_scope: Literal["model", "blocks"] = "blocks"
 
 
@@ -39,11 +39,16 @@ class TrainRun(CompiledSchedule):
 
 
 class TrainGoals(_Section):
-    """Issue 67's FP8 loss goal, filed 2026-11-28 before any run of it and read by the report alone (outside the
-    results' params hash): after the same tokens, the FP8 run's final validation loss within ``fp8_val_loss``
-    (a fraction) of its bf16 twin's, either way (FP8 lower by more reads better than claimed)."""
+    """Issue 67's goals, read by the report alone (outside the results' params hash). ``fp8_val_loss`` (filed
+    2026-11-28 before any run of it): after the same tokens, the FP8 run's final validation loss within this
+    fraction of its bf16 twin's, either way. ``hydra_pairs`` (filed 2026-11-30 before any run read it): each HYDRA
+    preset and its dense peer, trained in the same run; HYDRA's tokens/s at least ``hydra_tokens_ratio`` x its
+    peer's, and its wall-clock to the validation loss both reach at most ``hydra_time_ratio`` x its peer's."""
 
     fp8_val_loss: float = Field(0.01, gt=0)
+    hydra_pairs: dict[str, str] = {"hydra_1b": "llama_1b", "hydra_100m": "dense_100m"}
+    hydra_tokens_ratio: float = Field(1.0, gt=0)
+    hydra_time_ratio: float = Field(1.0, gt=0)
 
 
 class TrainSection(ByProfile):
@@ -62,3 +67,8 @@ def check(params) -> None:
             check_preset(params, f"train.{profile}", name, run.seq_len)
         for name in run.float8.models if run and run.float8 else ():
             check_preset(params, f"train.{profile}.float8", name, run.float8.seq_len)
+    for hydra, dense in params.train.goals.hydra_pairs.items() if params.train else ():
+        for name in (hydra, dense):
+            if name not in params.models:
+                raise ValueError(f"train.goals.hydra_pairs: {name!r} is not a preset of models; allowed: "
+                                 f"{', '.join(params.models)}")

@@ -201,13 +201,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, shard_one: b
         shard_mesh = mesh["dp", "fsdp"] if layout.dp > 1 else mesh["fsdp"]
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[layout.param_dtype],
                                       reduce_dtype=DTYPES[layout.reduce_dtype])
-        for block in model.blocks:
-            # a Mixture-of-Depths router scores tokens before its block runs (outside the block's forward,
-            # where FSDP gathers the block's parameters): a unit of its own
-            for part in (getattr(block, "router", None), block):
-                if part is not None:
-                    fully_shard(part, mesh=shard_mesh, mp_policy=policy,
-                                reshard_after_forward=layout.reshard_after_forward)
+        for block in model.blocks:  # a Mixture-of-Depths block's router runs in its forward: one unit
+            fully_shard(block, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=layout.reshard_after_forward)
         # the root's own parameters (embeddings, final norm, head) are used last in the forward, first in the
         # backward: kept gathered between the two
         return fully_shard(model, mesh=shard_mesh, mp_policy=policy, reshard_after_forward=False)

@@ -122,8 +122,8 @@ class Router(nn.Module):
         nn.init.normal_(self.score.weight, std=0.02)
 
     def forward(self, x: Tensor) -> Tensor:
-        # x . w rather than Linear then squeeze: a view returned from an FSDP2 unit (the router is one) loses the
-        # unit's pre-backward hook to any in-place op on it, and FSDP2 warns of it; this result is no view
+        # x . w rather than Linear then squeeze: the score is no view (a view returned from an FSDP2 unit loses
+        # the unit's pre-backward hook to any in-place op on it)
         return x @ self.score.weight[0]  # (B, S)
 
 

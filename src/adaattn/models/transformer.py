@@ -143,10 +143,13 @@ class AdaSelfAttention(nn.Module):
 
 class Block(GradientCheckpointMixin, nn.Module):
     """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)); with ``selective`` checkpointing the attention
-    sub-layer's activations are recomputed in the backward. ``routed``: a MoD block, with its router."""
+    sub-layer's activations are recomputed in the backward. ``routed``: a MoD block, with its router; it routes
+    in its own forward, so that compiling the block compiles its router, top-k, gathers and scatter with it (a
+    HYDRA step's routing glue otherwise runs eager between compiled blocks: hundreds of small launches)."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None, routed: bool = False):
         super().__init__()
+        self.capacity = cfg.mod_capacity if routed else None
         self.norm1, self.norm2 = _norm(cfg, cfg.dim), _norm(cfg, cfg.dim)
         if cfg.attention == "ada":
             self.attn = AdaSelfAttention(cfg)
@@ -161,9 +164,19 @@ class Block(GradientCheckpointMixin, nn.Module):
             return self.attn(self.norm1(x), pos)
         return self.attn(self.norm1(x), pos, self.norm1(memory))  # the slots are past inputs of this layer
 
-    def forward(self, x: Tensor, pos: Tensor | None = None, memory: Tensor | None = None) -> Tensor:
+    def _layer(self, x: Tensor, pos: Tensor | None = None, memory: Tensor | None = None) -> Tensor:
         x = x + self.checkpointed(self._attend, x, pos, memory)
         return x + self.mlp(self.norm2(x))
+
+    def forward(self, x: Tensor, pos: Tensor | None = None, memory: Tensor | None = None):
+        """x (B, S, E) -> (B, S, E); a routed block (B, S, E) and its router's auxiliary loss (None in eval)."""
+        if self.router is None:
+            return self._layer(x, pos, memory)
+        if pos is None:  # the routed tokens keep their positions in the sequence
+            pos = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        aux: list[Tensor] = []
+        x, _ = routed(self._layer, x, pos, self.router(x), capacity(x.shape[1], self.capacity), self.training, aux)
+        return x, aux[0] if aux else None
 
 
 class Transformer(GradientCheckpointMixin, nn.Module):
@@ -396,11 +409,11 @@ class Transformer(GradientCheckpointMixin, nn.Module):
         """The blocks at ``indices`` in order on x (B, n, E) at positions pos (B, n); MoD blocks route."""
         for i in indices:
             block = self.blocks[i]
-            if block.router is None:
-                x = self.run_block(block, next(count), x, pos)
-                continue
-            x, _ = routed(lambda h, p, block=block: self.run_block(block, next(count), h, p), x, pos,
-                          block.router(x), capacity(x.shape[1], self.cfg.mod_capacity), self.training, aux)
+            x = self.run_block(block, next(count), x, pos)
+            if block.router is not None:  # a MoD block routed in its forward
+                x, loss = x
+                if loss is not None:
+                    aux.append(loss)
         return x
 
     def loss(self, tokens: Tensor, targets: Tensor) -> Tensor:
