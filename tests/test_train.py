@@ -159,6 +159,36 @@ def test_a_schedules_compile_settings_compile_every_run(tmp_path, monkeypatch):
     assert [(k["compile_mode"], k["compile_scope"]) for k in seen] == [(None, "blocks")]  # eager by default
 
 
+def test_evaluation_of_a_model_under_cuda_graphs_runs_its_code_eagerly():
+    """Under CUDA graphs the evaluation runs the compiled blocks eagerly (``fit.evaluate``: graph trees outside
+    autograd would free one block's output when the shared graph replays for the next); the loss is the same."""
+    from types import SimpleNamespace
+
+    from adaattn_experiments.common.fit import evaluate
+
+    runs = []
+
+    def backend(gm, _):
+        return lambda *args: runs.append(1) or gm.forward(*args)
+
+    class Toy(torch.nn.Module):  # a module of its own: dynamo does not trace torch.nn's own forwards
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, tokens):
+            return self.head(torch.relu(self.embed(tokens)))
+
+    torch.manual_seed(0)
+    model = Toy()
+    model.compile(backend=backend)
+    trainer = SimpleNamespace(model=model, forward=model, device="cpu")
+    batches = [torch.randint(0, 8, (2, 6))]
+    compiled = evaluate(trainer, batches)
+    assert len(runs) == 1
+    assert evaluate(trainer, batches, eager=True) == pytest.approx(compiled) and len(runs) == 1
+
+
 def test_equal_quality_reads_each_models_wall_clock_to_the_loss_both_reach(tmp_path):
     from adaattn_experiments.train.report import render
 
