@@ -8,7 +8,18 @@
 #
 # Each study runs `adaattn run <study> --target <target>`, the command of its DVC stage; lanes.txt says how each
 # ended and how long it took. SLOTS=4 with three lanes leaves the last GPU and its share of the cores to other work.
+#
+# A study whose peer packages are not importable (the wheels docs/gpu-box.md lists, not carried) is not started:
+# its run would replace a complete results file with rows that say `unavailable`. ALLOW_MISSING_PEERS=1 runs it.
 set -u
+declare -A peers=([kernels]="liger_kernel" [mfu]="torchao torchtitan liger_kernel" [train]="torchao"
+                  [precision]="sageattention")
+missing_peers() {
+  local m
+  for m in ${peers[$1]:-}; do
+    python3 -c "import $m" >/dev/null 2>&1 || echo -n "$m "
+  done
+}
 target=$1
 shift
 end=$(($(date +%s) + ${DEADLINE_S:-540}))
@@ -22,6 +33,11 @@ for lane in "$@"; do
       left=$((end - $(date +%s)))
       if [ "$left" -lt 30 ]; then
         echo "$study: not started (deadline)" >>"$logs/lanes.txt"
+        continue
+      fi
+      missing=$(missing_peers "$study")
+      if [ -n "$missing" ] && [ "${ALLOW_MISSING_PEERS:-0}" != 1 ]; then
+        echo "$study: not started (peers not importable: $missing)" >>"$logs/lanes.txt"
         continue
       fi
       start=$(date +%s)
