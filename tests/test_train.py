@@ -159,34 +159,49 @@ def test_a_schedules_compile_settings_compile_every_run(tmp_path, monkeypatch):
     assert [(k["compile_mode"], k["compile_scope"]) for k in seen] == [(None, "blocks")]  # eager by default
 
 
-def test_evaluation_of_a_model_under_cuda_graphs_runs_its_code_eagerly():
-    """Under CUDA graphs the evaluation runs the compiled blocks eagerly (``fit.evaluate``: graph trees outside
-    autograd would free one block's output when the shared graph replays for the next); the loss is the same."""
-    from types import SimpleNamespace
-
-    from adaattn_experiments.common.fit import evaluate
+@pytest.mark.parametrize("mode, eval_compiled", [("reduce-overhead", False), ("max-autotune", False),
+                                                  ("default", True)])
+def test_blocks_compiled_under_cuda_graphs_run_eagerly_outside_autograd(monkeypatch, mode, eval_compiled):
+    """Blocks sharing one graph under CUDA graphs run their code eagerly in a ``no_grad`` forward (graph trees
+    outside autograd would free one block's output when the shared graph replays for the next); with autograd
+    on, and in a mode without CUDA graphs, the compiled graph runs. The output is the same either way."""
+    from adaattn.models import train
 
     runs = []
 
     def backend(gm, _):
         return lambda *args: runs.append(1) or gm.forward(*args)
 
-    class Toy(torch.nn.Module):  # a module of its own: dynamo does not trace torch.nn's own forwards
+    monkeypatch.setattr(train, "_compile_kwargs", lambda *_: {"backend": backend})
+
+    class Block(torch.nn.Module):  # a module of its own: dynamo does not trace torch.nn's own forwards
         def __init__(self):
             super().__init__()
-            self.embed, self.head = torch.nn.Embedding(8, 16), torch.nn.Linear(16, 8)
+            self.proj = torch.nn.Linear(16, 16)
 
-        def forward(self, tokens):
-            return self.head(torch.relu(self.embed(tokens)))
+        def forward(self, x):
+            return x + torch.relu(self.proj(x))
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
 
     torch.manual_seed(0)
-    model = Toy()
-    model.compile(backend=backend)
-    trainer = SimpleNamespace(model=model, forward=model, device="cpu")
-    batches = [torch.randint(0, 8, (2, 6))]
-    compiled = evaluate(trainer, batches)
-    assert len(runs) == 1
-    assert evaluate(trainer, batches, eager=True) == pytest.approx(compiled) and len(runs) == 1
+    model, _ = train.optimize_model(Toy(), compile_mode=mode, compile_scope="blocks")
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        evaluated = model(x)
+    assert bool(runs) == eval_compiled
+    runs.clear()
+    trained = model(x)
+    assert len(runs) == 3  # each block's call, through the compiled graph
+    torch.testing.assert_close(evaluated, trained.detach())
 
 
 def test_equal_quality_reads_each_models_wall_clock_to_the_loss_both_reach(tmp_path):

@@ -4,7 +4,6 @@ a cosine learning rate, the training loss and step time every ``log_every`` step
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -99,7 +98,7 @@ def fit(name: str, preset: ModelConfig, run: TrainSchedule, corpus: Corpus, out:
                 first, losses, elapsed = False, [], 0.0
                 bar.update(task, status=f"loss {loss:.3f}")
             if check:
-                v = evaluate(trainer, val, eager=getattr(run, "compile_mode", None) == "reduce-overhead")
+                v = evaluate(trainer, val)
                 rows.append({**row, "mode": "eval", "step": step, "metric": "val_loss", "value": v,
                              "unit": "nats", "samples": len(val), "reason": "held-out files, eval mode"})
                 bar.update(task, status=f"val {v:.3f}")
@@ -120,15 +119,11 @@ def fit(name: str, preset: ModelConfig, run: TrainSchedule, corpus: Corpus, out:
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, batches: list[torch.Tensor], eager: bool = False) -> float:
+def evaluate(trainer: Trainer, batches: list[torch.Tensor]) -> float:
     """Mean next-byte cross-entropy (nats) over ``batches``, the model in eval mode (left in it: a training step
-    puts it back in training mode). ``eager``: the compiled model's own code run eagerly, for a model compiled
-    under CUDA graphs: outside autograd, CUDA graph trees start a new generation whenever a graph already
-    replayed in it runs again, freeing its outputs, and the blocks share one compiled graph, so the second
-    block's replay frees the output the next block reads (torch raises). Evaluation is not timed."""
+    puts it back in training mode)."""
     trainer.model.eval()
-    with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
-        return val_loss(trainer.forward, batches, trainer.device)
+    return val_loss(trainer.forward, batches, trainer.device)
 
 
 @torch.no_grad()

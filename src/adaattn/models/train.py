@@ -58,6 +58,24 @@ def _compile_kwargs(compile_mode: str, options: dict | None) -> dict:
     return {"options": {**torch._inductor.list_mode_options(compile_mode), **options}}
 
 
+def _eager_outside_autograd(block: nn.Module) -> None:
+    """``block``'s compiled call run as its eager code when autograd is off (evaluation, ``no_grad``).
+
+    The blocks share one graph under CUDA graphs. Outside autograd, graph trees start a new generation when a
+    graph already replayed in the current one runs again, which frees its earlier outputs: the next block's
+    replay frees the output the block after it reads, and torch raises. Training steps are unaffected (autograd
+    keeps the outputs alive); evaluation gives up the graphs, not the result."""
+    compiled = block._compiled_call_impl  # what ``nn.Module.compile`` installed
+
+    def call(*args, **kwargs):
+        if torch.is_grad_enabled():
+            return compiled(*args, **kwargs)
+        with torch.compiler.set_stance("force_eager"):
+            return compiled(*args, **kwargs)
+
+    block._compiled_call_impl = call
+
+
 def _check_dtype(dtype: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of: {', '.join(DTYPES)}")
@@ -103,7 +121,9 @@ def optimize_model(model: nn.Module, compile_mode: str | None = "default", dtype
     model's blocks in place (regional compilation, as torchtitan does): identical blocks share one compiled
     graph, so a deep model compiles in about one block's time, and the embedding, head and loss stay eager.
     ``compile_options``: inductor options over the mode's (torchao's rowwise float8 training trains as it does
-    eager only with ``emulate_precision_casts``: pytorch/pytorch#150859)."""
+    eager only with ``emulate_precision_casts``: pytorch/pytorch#150859). Blocks compiled under CUDA graphs
+    (``reduce-overhead``, ``max-autotune``) run their code eagerly outside autograd: see
+    ``_eager_outside_autograd``."""
     _check_mode(compile_mode)
     _check_scope(compile_scope, model)
     _check_options(compile_options)
@@ -115,8 +135,12 @@ def optimize_model(model: nn.Module, compile_mode: str | None = "default", dtype
         enable_tf32()
         settings.tf32 = True
     if compile_mode is not None and compile_scope == "blocks":
+        kwargs = _compile_kwargs(compile_mode, compile_options)
+        graphs = {**torch._inductor.list_mode_options(compile_mode), **(compile_options or {})}.get("triton.cudagraphs")
         for block in model.blocks:
-            block.compile(**_compile_kwargs(compile_mode, compile_options))
+            block.compile(**kwargs)
+            if graphs:
+                _eager_outside_autograd(block)
     elif compile_mode is not None:
         model = torch.compile(model, **_compile_kwargs(compile_mode, compile_options))
     return model, settings
