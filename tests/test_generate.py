@@ -9,7 +9,7 @@ import torch
 
 from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import Transformer
-from adaattn.models.generate import clear_kv_cache, decode_one, generate, setup_kv_cache
+from adaattn.models.generate import clear_kv_cache, decode_next, decode_one, generate, setup_kv_cache
 
 # PyTorch's MLP and norm keep the tests fast (the zoo's kernels run interpreted under TRITON_INTERPRET)
 BASE = {"vocab_size": 61, "dim": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 24, "mlp": "gelu",
@@ -60,6 +60,52 @@ def test_the_decode_step_compiles_once_and_agrees():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+@torch.no_grad()
+def test_the_in_place_step_compiles_to_one_graph_and_gives_the_same_tokens():
+    """``generate(step=decode_next)``: the token picked, written and the position advanced inside one graph, the
+    same greedy tokens as the loop over ``decode_one`` (with and without an end token), one graph for every
+    position, and every tensor it mutates a buffer (a CUDA graph replays it with no input copied)."""
+    model = _model(n_kv_heads=2, positions="learned")
+    prompt = torch.randint(0, BASE["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(0))
+    setup_kv_cache(model, batch=2, max_seq_len=16)
+    want = generate(model, prompt, 7)
+    eos = int(want[1, 5])  # the second sequence's first new token: it ends there, and then repeats it
+    want_eos = generate(model, prompt, 7, eos_token=eos)
+    assert (want_eos[1, 5:] == eos).all() and not torch.equal(want_eos, want)
+    assert torch.equal(generate(model, prompt, 7, step=decode_next), want)  # eager
+    assert torch.equal(generate(model, prompt, 7, step=decode_next, eos_token=eos), want_eos)
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append([t for t in inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    step = torch.compile(decode_next, fullgraph=True, dynamic=False, backend=backend)
+    assert torch.equal(generate(model, prompt, 7, step=step), want)
+    assert torch.equal(generate(model, prompt, 7, step=step, eos_token=eos), want_eos)
+    assert len(graphs) == 2  # one a value of eos_token, whatever the position
+    # the graph's inputs are the model's parameters and buffers alone (the state's among them): nothing a CUDA
+    # graph would copy in a token
+    held = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    s = model.decode_state
+    assert all(id(t) in held for t in graphs[0]) and {id(s.token), id(s.pos), id(s.out)} <= {id(t) for t in graphs[0]}
+
+
+def test_the_in_place_step_samples_on_the_device_generator():
+    model = _model()
+    setup_kv_cache(model, batch=2, max_seq_len=16)
+    torch.manual_seed(3)
+    a = generate(model, _prompt(), 6, temperature=1.0, step=decode_next)
+    torch.manual_seed(3)
+    b = generate(model, _prompt(), 6, temperature=1.0, step=decode_next)
+    greedy = generate(model, _prompt(), 6, step=decode_next)
+    assert torch.equal(a, b) and a.shape == (2, 11) and not torch.equal(a, greedy)
+    assert int(a.min()) >= 0 and int(a.max()) < BASE["vocab_size"]
+    with pytest.raises(ValueError, match="generator: a step compiled from decode_next"):
+        generate(model, _prompt(), 3, temperature=1.0, step=decode_next, generator=torch.Generator())
+
+
 def test_sampling_follows_the_generator():
     model = _model()
     setup_kv_cache(model, batch=2, max_seq_len=16)
@@ -87,6 +133,8 @@ def test_generation_checks_the_cache():
     setup_kv_cache(model, batch=2, max_seq_len=8)
     with pytest.raises(ValueError, match=r"does not fit the cache \(batch 2, max_seq_len 8\)"):
         generate(model, _prompt(), 4)
+    with pytest.raises(ValueError, match=r"does not fit the cache"):
+        generate(model, _prompt(), 4, step=decode_next)
     with pytest.raises(ValueError, match=r"prompt must be token ids \(B, P\); got shape \(5,\)"):
         generate(model, _prompt()[0], 1)
     with pytest.raises(ValueError, match="over the config's 24"):

@@ -80,6 +80,10 @@ def test_the_batch_processor_serves_each_prompt_as_generate_would_alone():
         clear_kv_cache(model)
         assert torch.equal(seq, alone)
     assert [(s["batch"], s["prompt_len"]) for s in serve.stats] == [(2, 7), (2, 5), (1, 5)]
+    from adaattn.models.generate import decode_next  # generate's fast path serves the same sequences
+
+    assert all(torch.equal(a, b) for a, b in zip(BatchProcessor(model, 2, 4, show=False, step=decode_next).run(prompts),
+                                                 out, strict=True))
     assert all(s["tokens_per_s"] > 0 and s["peak_mb"] is None for s in serve.stats)  # no allocator on a CPU
     with pytest.raises(ValueError, match="prompt 0: a non-empty 1-D tensor"):
         serve.batches([torch.zeros(2, 3, dtype=torch.long)])

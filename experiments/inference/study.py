@@ -31,7 +31,7 @@ from adaattn_experiments.common.fit import fit, val_loss
 from adaattn_experiments.inference.schema import InferenceSweep, LTMDecode, QualityRun
 from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import build_model
-from adaattn.models.generate import (clear_kv_cache, decode_one, generate, prefill, reset_kv_cache,
+from adaattn.models.generate import (clear_kv_cache, decode_next, decode_one, generate, prefill, reset_kv_cache,
                                      setup_kv_cache)
 from adaattn.models.quant import quantize_weight_only
 from adaattn.models.data import batch as windows
@@ -64,14 +64,14 @@ def nbytes(t: Tensor) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """What a decode step reads of the model: every parameter and buffer but the KV caches, the rotary table and the
-    embedding lookup's table (a step reads B of its rows; a head tied to it is read whole, once, as the head).
+    """What a decode step reads of the model: every parameter and buffer but the KV caches, the generation state,
+    the rotary table and the embedding lookup's table (a step reads B of its rows; a head tied to it is read whole, once, as the head).
     An INT4 layer's tinygemm copy is the same weight in another layout, read instead of ours: counted once."""
     lookup = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     tied = getattr(model, "head", None) is not None and id(model.head.weight) in lookup
     seen, total = set(), 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if id(t) in seen or ".cache." in f".{name}" or name.startswith("rope.") or \
+        if id(t) in seen or ".cache." in f".{name}" or name.startswith(("rope.", "decode_state.")) or \
                 name.rsplit(".", 1)[-1] in ("tiny_weight", "tiny_sz"):
             continue
         seen.add(id(t))
@@ -256,6 +256,8 @@ class Inference(StudyDef):
         token = tokens[:, P:P + 1].clone(memory_format=torch.contiguous_format)
         pos = torch.tensor([P], device=self.device)
         decoders = {c: self._decoder(c) for c in cached}
+        # the README's generate: its step compiled from decode_next (the token picked and written in the graph)
+        steps = {c: torch.compile(decode_next, mode="reduce-overhead", fullgraph=True) for c in cached if c in COMPILED}
 
         def prefill_work(c: str) -> Workload:
             return Workload(fwd=functools.partial(self._call, c, prefill, models[c], prompt), inputs=[])
@@ -281,8 +283,11 @@ class Inference(StudyDef):
             gen = {**common, "case_id": f"{case}/generate", "phase": "generate"}
             self.note(f"batch {B}: peak memory of a prefill and {N} decode steps, each config")
             for c in configs:
+                if c in steps:  # compiled and its graph recorded before the peak is read, as the decode step's were
+                    self._generate(c, models[c], None, steps[c], tokens[:, :P + 2], P)
                 rows.append(peak_row({**gen, "provider": c, "mode": "fwd", "metric": "peak_mem_mb"},
-                                     functools.partial(self._generate, c, models[c], decoders.get(c), tokens, P),
+                                     functools.partial(self._generate, c, models[c], decoders.get(c), steps.get(c),
+                                                       tokens, P),
                                      self.device, 0, f"a prefill and {N} decode steps, over the weights and caches "
                                      "held before" if c != "no_cache" else f"the last of {N} tokens: the whole "
                                      f"{P + N} again"))
@@ -298,8 +303,8 @@ class Inference(StudyDef):
                 rows.append({**dec, **self._kernels_per_step(decode_work(c).fwd), "provider": c,
                              "mode": "fwd"})
                 if c in COMPILED:
-                    rows.append({**gen, "provider": c, "mode": "fwd", **self._generate_ms(models[c], decoders[c],
-                                                                                          prompt, N)})
+                    rows.append({**gen, "provider": c, "mode": "fwd", **self._generate_ms(models[c], None, prompt,
+                                                                                          N, step=steps[c])})
         for c in cached:
             clear_kv_cache(models[c])
         return rows
@@ -321,7 +326,8 @@ class Inference(StudyDef):
         return {**row, "value": count_kernels(prof.events()), "status": "ok",
                 "reason": "device-side events of one step's trace, copies and memsets left out"}
 
-    def _generate_ms(self, model: nn.Module, decode, prompt: Tensor, N: int, keep: dict | None = None) -> dict:
+    def _generate_ms(self, model: nn.Module, decode, prompt: Tensor, N: int, keep: dict | None = None,
+                     step=None) -> dict:
         """The README's loop (``generate`` with the compiled step) a token: its time for N new tokens less its
         time for one (the prefill and the first token), over N - 1, each the fastest of ``GENERATE_REPEATS``.
         The caches start over before each loop (an LTM model's must: its decoding goes in order); ``keep``
@@ -332,7 +338,7 @@ class Inference(StudyDef):
                 reset_kv_cache(model)
                 self._sync()
                 start = time.perf_counter()
-                out = generate(model, prompt, n, decode=decode)
+                out = generate(model, prompt, n, decode=decode or decode_one, step=step)
                 self._sync()
                 best = min(best, time.perf_counter() - start)
                 if keep is not None and n == N:
@@ -355,14 +361,14 @@ class Inference(StudyDef):
         # gpt-fast's decode: one graph for every position, replayed as a CUDA graph (reduce-overhead)
         return torch.compile(decode_one, mode="reduce-overhead", fullgraph=True) if config in COMPILED else decode_one
 
-    def _generate(self, config: str, model: nn.Module, decode, tokens: Tensor, P: int) -> None:
+    def _generate(self, config: str, model: nn.Module, decode, step, tokens: Tensor, P: int) -> None:
         """A prefill of ``tokens[:, :P]`` and a decode step for each token after it; without a cache, the step of
         the last token (the whole sequence again: the largest)."""
         with torch.no_grad():
             if config == "no_cache":
                 self._call(config, model, tokens)
                 return
-            self._call(config, generate, model, tokens[:, :P], tokens.shape[1] - P, 0.0, decode)
+            self._call(config, generate, model, tokens[:, :P], tokens.shape[1] - P, 0.0, decode, None, None, step)
 
     @staticmethod
     def _call(config: str, fn, *args):

@@ -6,6 +6,10 @@ with a ``models.ltm.SegmentCache`` per layer instead: the current segment's keys
 state of constant size whatever the context, allocated at the bank's capacity (its one-token step compiles to one
 graph too).
 
+``decode_next`` is the fast path: one compiled call a token that runs the step, picks the token, writes it into the
+output and advances the position, all in place on ``model.decode_state`` (buffers ``setup_kv_cache`` allocates,
+so their addresses never change and a CUDA graph replays with no input copied and no eager op between tokens).
+
 Shapes: B batch, S new tokens, G kv heads, D head dim, M the cache's length (``max_seq_len``).
 """
 
@@ -40,6 +44,17 @@ def check_decodable(cfg: ModelConfig) -> None:
                          "tokens from the whole sequence)")
 
 
+class DecodeState(nn.Module):
+    """What ``decode_next`` keeps between tokens, at fixed addresses: the last token of each sequence (B, 1), the
+    position it sits at (1,), the sequences so far (B, M) and which have produced the end token (B, 1)."""
+
+    def __init__(self, batch: int, max_seq_len: int, device: torch.device | str | None = None):
+        super().__init__()
+        for name, shape, dtype in (("token", (batch, 1), torch.long), ("pos", (1,), torch.long),
+                                   ("out", (batch, max_seq_len), torch.long), ("done", (batch, 1), torch.bool)):
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+
 def setup_kv_cache(model: nn.Module, batch: int, max_seq_len: int | None = None,
                    dtype: torch.dtype | None = None) -> None:
     """Give every attention layer of ``model`` (a ``Transformer``) a ``KVCache`` of ``batch`` sequences of up to
@@ -62,6 +77,7 @@ def setup_kv_cache(model: nn.Module, batch: int, max_seq_len: int | None = None,
         else:
             layer.cache = KVCache(batch, layer.n_kv_heads, M, cfg.head_dim, dtype or weight.dtype, weight.device,
                                   cfg.attention_window)
+    model.decode_state = DecodeState(batch, M, weight.device)
 
 
 def reset_kv_cache(model: nn.Module) -> None:
@@ -75,6 +91,7 @@ def reset_kv_cache(model: nn.Module) -> None:
 def clear_kv_cache(model: nn.Module) -> None:
     for layer in _attention_layers(model):
         layer.cache = None
+    model.decode_state = None
 
 
 def prefill(model: nn.Module, prompt: Tensor) -> Tensor:
@@ -89,6 +106,29 @@ def decode_one(model: nn.Module, token: Tensor, pos: Tensor) -> Tensor:
     return model(token, input_pos=pos)[:, -1]
 
 
+def decode_next(model: nn.Module, temperature: float = 0.0, eos_token: int | None = None) -> None:
+    """One new token per sequence, in place on ``model.decode_state``: the logits of its ``token`` at ``pos``, the
+    next token picked (the argmax at temperature 0, else a draw from softmax(logits / temperature) by the
+    Gumbel-max trick: one ``rand`` the graph holds, where ``multinomial`` would need the host's generator), a
+    finished sequence's token kept at ``eos_token``, the token written into ``out`` at ``pos + 1`` and ``pos``
+    advanced. Compile it once (``torch.compile(decode_next, mode="reduce-overhead", fullgraph=True)``) and hand
+    it to ``generate(..., step=...)``: every tensor it reads or writes is a buffer, so its CUDA graph replays with
+    no input copied and nothing else launched between tokens."""
+    s = model.decode_state
+    logits = model(s.token, input_pos=s.pos)[:, -1]
+    if temperature == 0.0:
+        token = logits.argmax(-1, keepdim=True)
+    else:
+        gumbel = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_min(1e-20)))
+        token = (logits.float() / temperature + gumbel).argmax(-1, keepdim=True)
+    if eos_token is not None:
+        token = torch.where(s.done, eos_token, token)
+        s.done |= token == eos_token
+    s.token.copy_(token)
+    s.out.index_copy_(1, s.pos + 1, token)
+    s.pos.add_(1)
+
+
 def sample(logits: Tensor, temperature: float = 0.0, generator: torch.Generator | None = None) -> Tensor:
     """(B, V) -> (B, 1): the argmax at temperature 0, else a draw from softmax(logits / temperature)."""
     if temperature == 0.0:
@@ -100,9 +140,12 @@ def sample(logits: Tensor, temperature: float = 0.0, generator: torch.Generator 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: float = 0.0,
              decode: Callable[[nn.Module, Tensor, Tensor], Tensor] = decode_one,
-             generator: torch.Generator | None = None, eos_token: int | None = None) -> Tensor:
+             generator: torch.Generator | None = None, eos_token: int | None = None,
+             step: Callable[[nn.Module, float, int | None], None] | None = None) -> Tensor:
     """``prompt`` (B, P) and ``new_tokens`` more (B, P + new_tokens): prefill, then one ``decode`` per token (pass
-    a compiled ``decode_one``). The caches must hold B sequences of P + new_tokens (``setup_kv_cache``).
+    a compiled ``decode_one``), or with ``step`` one call of it a token (a compiled ``decode_next``: the fast
+    path, the token picked and written inside the graph; no ``generator``, its draws are the device's). The
+    caches must hold B sequences of P + new_tokens (``setup_kv_cache``).
 
     Nothing is read back to the host between tokens: the position is a device tensor advanced in place, each
     token is sampled and written into the output on the device, and a sequence that has produced ``eos_token``
@@ -121,8 +164,16 @@ def generate(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: flo
     if B != cache.k.shape[0] or (isinstance(cache, KVCache) and P + new_tokens > cache.k.shape[2]):
         raise ValueError(f"prompt (B={B}, P={P}) + {new_tokens} new tokens does not fit the cache "
                          f"(batch {cache.k.shape[0]}, max_seq_len {cache.k.shape[2]})")
+    if step is not None and P + new_tokens > model.decode_state.out.shape[1]:
+        raise ValueError(f"prompt (P={P}) + {new_tokens} new tokens does not fit decode_state's "
+                         f"{model.decode_state.out.shape[1]} positions (setup_kv_cache's max_seq_len)")
+    if step is not None and generator is not None:
+        raise ValueError("generator: a step compiled from decode_next draws on the device's generator (seed it "
+                         "with torch.manual_seed); pass decode= to sample with a generator of your own")
     if new_tokens == 0:
         return prompt
+    if step is not None:
+        return _generate_in_place(model, prompt, new_tokens, temperature, eos_token, step)
     out = torch.empty(B, P + new_tokens, dtype=prompt.dtype, device=prompt.device)
     out[:, :P] = prompt
     token = sample(prefill(model, prompt), temperature, generator)
@@ -138,3 +189,20 @@ def generate(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: flo
         out[:, P + i:P + i + 1] = token
         pos += 1
     return out
+
+
+def _generate_in_place(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: float,
+                       eos_token: int | None, step: Callable[[nn.Module, float, int | None], None]) -> Tensor:
+    """``generate`` through ``step`` (``decode_next``): the prefill and its token eager, then one call a token."""
+    s: DecodeState = model.decode_state
+    B, P = prompt.shape
+    token = sample(prefill(model, prompt), temperature)
+    s.out[:, :P] = prompt
+    s.out[:, P:P + 1] = token
+    s.token.copy_(token)
+    s.pos.fill_(P)
+    s.done.copy_(token == eos_token if eos_token is not None else torch.zeros_like(s.done))
+    for _ in range(1, new_tokens):
+        torch.compiler.cudagraph_mark_step_begin()  # a compiled step's graph is replayed, not recorded again
+        step(model, temperature, eos_token)
+    return s.out[:, :P + new_tokens].clone()

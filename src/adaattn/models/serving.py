@@ -109,14 +109,15 @@ class BatchProcessor:
     ``max_batch`` with ``find_optimal_batch_size``); each batch is a prefill and ``new_tokens`` decode steps
     (``generate``), its caches made for it. ``run`` returns the sequences in the order given; ``stats`` has a
     row per batch (size, prompt length, seconds, tokens/s, and on a GPU the batch's peak allocation: the memory
-    monitor), and the progress line shows the rate as it goes."""
+    monitor), and the progress line shows the rate as it goes. ``step``: a compiled ``decode_next``, generate's
+    fast path (``decode``: a compiled ``decode_one``, its loop over logits)."""
 
     def __init__(self, model: torch.nn.Module, max_batch: int, new_tokens: int, temperature: float = 0.0,
-                 decode: Callable | None = None, show: bool = True):
+                 decode: Callable | None = None, show: bool = True, step: Callable | None = None):
         if max_batch < 1 or new_tokens < 1:
             raise ValueError(f"max_batch={max_batch} and new_tokens={new_tokens} must be at least 1")
         self.model, self.max_batch, self.new_tokens, self.temperature = model, max_batch, new_tokens, temperature
-        self.decode, self.show = decode, show
+        self.decode, self.show, self.step = decode, show, step
         self.stats: list[dict] = []
 
     def batches(self, prompts: list[torch.Tensor]) -> list[list[int]]:
@@ -145,7 +146,8 @@ class BatchProcessor:
                     before = torch.cuda.memory_allocated()
                 start = tracker.seconds
                 setup_kv_cache(self.model, B, P + self.new_tokens)
-                seqs = generate(self.model, tokens, self.new_tokens, self.temperature, decode=self.decode or decode_one)
+                seqs = generate(self.model, tokens, self.new_tokens, self.temperature, decode=self.decode or decode_one,
+                                step=self.step)
                 tracker.update(B * self.new_tokens)
                 clear_kv_cache(self.model)
                 seconds = tracker.seconds - start
