@@ -22,6 +22,16 @@ case "${1:-}" in
     if [ -d .gpu-cache ]; then
       cp -r .gpu-cache/. "$_root/"
     fi
+    # a Triton kernel whose folder lacks a file its group json names (caches saved file by file, before whole
+    # entries) is removed: Triton would fail to load it rather than compile it again
+    python3 - "$_root/triton" <<'EOF'
+import json, shutil, sys
+from pathlib import Path
+
+for grp in list(Path(sys.argv[1]).rglob("__grp__*.json")):
+    if grp.exists() and any(not (grp.parent / k).exists() for k in json.loads(grp.read_text())["child_paths"]):
+        shutil.rmtree(grp.parent)
+EOF
     export TORCHINDUCTOR_CACHE_DIR="$_root/inductor" TRITON_CACHE_DIR="$_root/triton"
     ;;
   save)
@@ -31,16 +41,23 @@ import sys, tarfile
 from pathlib import Path
 
 root, cap, out = Path(sys.argv[1]), float(sys.argv[2]) * 2**20, sys.argv[3]
-files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime, reverse=True)
-kept, total = [], 0
-for p in files:  # newest first: what this call compiled or used
-    if total + p.stat().st_size <= cap:
-        kept.append(p)
-        total += p.stat().st_size
+# whole entries or none: a Triton kernel is a folder of files (its group json names the cubin and the rest), and
+# one kept without its cubin fails every later load of that kernel ("Unknown key: 'cubin'")
+entries: dict[Path, list[Path]] = {}
+for p in root.rglob("*"):
+    if p.is_file():
+        entries.setdefault(p.parent, []).append(p)
+newest = sorted(entries.values(), key=lambda fs: max(f.stat().st_mtime for f in fs), reverse=True)
+kept, total, files = [], 0, sum(len(fs) for fs in newest)
+for fs in newest:  # newest first: what this call compiled or used
+    size = sum(f.stat().st_size for f in fs)
+    if total + size <= cap:
+        kept += fs
+        total += size
 with tarfile.open(out, "w:gz") as tar:
     for p in kept:
         tar.add(p, arcname=str(p.relative_to(root)))
-print(f"gpu-cache: {len(kept)} of {len(files)} files, {total / 2**20:.1f} MiB (cap {cap / 2**20:.0f}) -> {out}")
+print(f"gpu-cache: {len(kept)} of {files} files, {total / 2**20:.1f} MiB (cap {cap / 2**20:.0f}) -> {out}")
 EOF
     ;;
   *)

@@ -44,23 +44,40 @@ def test_restore_unpacks_the_archive_save_wrote(tmp_path):
     assert (fresh / "inductor" / "fx" / "graph").read_bytes() == b"compiled"
 
 
-def test_save_keeps_the_newest_files_under_the_cap(tmp_path):
+def test_save_keeps_the_newest_entries_under_the_cap_whole(tmp_path):
+    """A cache entry is a folder (a Triton kernel's cubin, its json and the rest): kept whole, newest first, or
+    not at all; a kernel kept without its cubin fails every later load of it."""
     root, out = tmp_path / "root", tmp_path / "out"
-    (root / "inductor").mkdir(parents=True)
     out.mkdir()
     for i, name in enumerate(("old", "mid", "new")):
-        f = root / "inductor" / name
-        f.write_bytes(os.urandom(2**20))
-        os.utime(f, (1_000_000 + i, 1_000_000 + i))
+        entry = root / "triton" / name
+        entry.mkdir(parents=True)
+        for part in ("k.cubin", "k.json"):
+            f = entry / part
+            f.write_bytes(os.urandom(2**19))
+            os.utime(f, (1_000_000 + i, 1_000_000 + i))
+    os.utime(root / "triton" / "old" / "k.json", (2_000_000, 2_000_000))  # its json the newest file of all
     done = _bash(f"bash {SCRIPT} save", tmp_path, GPU_CACHE_ROOT=str(root), OUT=str(out), GPU_CACHE_MB="2.5")
     assert done.returncode == 0, done.stderr
     with tarfile.open(out / "gpu-cache.tgz") as tar:
-        assert sorted(tar.getnames()) == ["inductor/mid", "inductor/new"]
-    assert "2 of 3 files" in done.stdout
+        assert sorted(tar.getnames()) == ["triton/new/k.cubin", "triton/new/k.json", "triton/old/k.cubin",
+                                          "triton/old/k.json"]
+    assert "4 of 6 files" in done.stdout
 
 
-def test_bad_use_is_named(tmp_path):
-    wrong = _bash(f"bash {SCRIPT} keep", tmp_path)
-    assert wrong.returncode == 2 and "allowed: restore, save" in wrong.stderr
-    no_out = _bash(f"bash {SCRIPT} save", tmp_path, GPU_CACHE_ROOT=str(tmp_path), OUT="")
-    assert no_out.returncode != 0 and "OUT must name" in no_out.stderr
+def test_restore_drops_a_kernel_missing_a_file_its_group_names(tmp_path):
+    """Caches saved file by file (before whole entries) may hold a kernel without its cubin: restore removes it,
+    so Triton compiles it again instead of failing to load it."""
+    import json
+
+    cache = tmp_path / ".gpu-cache" / "triton"
+    for name, parts in (("whole", ("k.cubin", "k.json")), ("broken", ("k.json",))):
+        (cache / name).mkdir(parents=True)
+        for part in parts:
+            (cache / name / part).write_bytes(b"x")
+        (cache / name / "__grp__k.json").write_text(json.dumps(
+            {"child_paths": {p: f"/elsewhere/{name}/{p}" for p in ("k.cubin", "k.json")}}))
+    root = tmp_path / "root"
+    done = _bash(f". {SCRIPT} restore", tmp_path, GPU_CACHE_ROOT=str(root))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (root / "triton").iterdir()) == ["whole"]
