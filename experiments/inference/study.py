@@ -31,8 +31,8 @@ from adaattn_experiments.common.fit import fit, val_loss
 from adaattn_experiments.inference.schema import InferenceSweep, LTMDecode, QualityRun
 from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import build_model
-from adaattn.models.generate import (clear_kv_cache, decode_next, decode_one, generate, prefill, reset_kv_cache,
-                                     setup_kv_cache)
+from adaattn.models.decode_graph import GraphedStep
+from adaattn.models.generate import clear_kv_cache, decode_one, generate, prefill, reset_kv_cache, setup_kv_cache
 from adaattn.models.quant import quantize_weight_only
 from adaattn.models.data import batch as windows
 from adaattn.models.data import load_corpus
@@ -256,8 +256,9 @@ class Inference(StudyDef):
         token = tokens[:, P:P + 1].clone(memory_format=torch.contiguous_format)
         pos = torch.tensor([P], device=self.device)
         decoders = {c: self._decoder(c) for c in cached}
-        # the README's generate: its step compiled from decode_next (the token picked and written in the graph)
-        steps = {c: torch.compile(decode_next, mode="reduce-overhead", fullgraph=True) for c in cached if c in COMPILED}
+        # the README's generate: decode_next (the token picked and written on the device) compiled and captured into
+        # one CUDA graph of its own, replayed a token
+        steps = {c: GraphedStep() for c in cached if c in COMPILED}
 
         def prefill_work(c: str) -> Workload:
             return Workload(fwd=functools.partial(self._call, c, prefill, models[c], prompt), inputs=[])
