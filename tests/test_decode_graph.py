@@ -9,7 +9,7 @@ import torch
 
 from adaattn.models.config import ModelConfig
 from adaattn.models.decode_graph import WARM_STEPS, GraphedStep
-from adaattn.models.generate import decode_next, generate, setup_kv_cache
+from adaattn.models.generate import clear_kv_cache, decode_next, generate, setup_kv_cache
 from adaattn.models.transformer import Transformer
 
 BASE = {"vocab_size": 61, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64,
@@ -71,3 +71,7 @@ def test_gpu_the_captured_step_replays_the_eager_tokens():
         setup_kv_cache(model, batch=2, max_seq_len=48)  # new buffers: the old graph's addresses are gone
         assert torch.equal(generate(model, prompt, 40, step=step), want)
         assert step.captures == 3
+        clear_kv_cache(model)  # the state freed, and a new one where it was
+        setup_kv_cache(model, batch=2, max_seq_len=48)
+        assert torch.equal(generate(model, prompt, 40, step=step), want)
+        assert step.captures == 4

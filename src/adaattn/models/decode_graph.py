@@ -28,7 +28,9 @@ class GraphedStep:
     The first ``WARM_STEPS`` calls are real steps through the compiled function on a side stream; the next captures
     the graph and replays it, and every call after only replays it. The graph holds ``temperature`` and
     ``eos_token`` and the addresses of the model's buffers: a call with other values, another model, or after
-    ``setup_kv_cache`` made new caches, captures again (``captures`` counts them). Without CUDA the compiled
+    ``setup_kv_cache`` made new caches, captures again (``captures`` counts them); it holds the model and its
+    ``decode_state`` until then. Weights moved or replaced after a capture (``.to``, quantizing) are not seen:
+    make a new ``GraphedStep`` then (``load_state_dict`` copies in place and is safe). Without CUDA the compiled
     function runs as it is (no graph)."""
 
     def __init__(self, mode: str = "default", step: Callable[..., None] = decode_next):
@@ -38,7 +40,8 @@ class GraphedStep:
         self.compiled = torch.compile(step, mode=mode, fullgraph=True)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captures = 0
-        self._key: tuple | None = None
+        # the model and state themselves, not their ids: after clear_kv_cache a new state can take a freed one's id
+        self._for: tuple | None = None
         self._warm = 0
 
     def __call__(self, model: nn.Module, temperature: float = 0.0, eos_token: int | None = None) -> None:
@@ -48,9 +51,9 @@ class GraphedStep:
         if not state.out.is_cuda:
             self.compiled(model, temperature, eos_token)
             return
-        key = (id(model), id(state), temperature, eos_token)
-        if key != self._key:  # a graph for other buffers or other constants: warm up and capture again
-            self.graph, self._key, self._warm = None, key, 0
+        if self._for is None or self._for[0] is not model or self._for[1] is not state \
+                or self._for[2:] != (temperature, eos_token):  # other buffers or constants: warm up, capture again
+            self.graph, self._for, self._warm = None, (model, state, temperature, eos_token), 0
         if self.graph is not None:
             self.graph.replay()
             return
@@ -60,10 +63,11 @@ class GraphedStep:
             if self._warm < WARM_STEPS:  # a real step
                 self._warm += 1
                 self.compiled(model, temperature, eos_token)
-            else:  # capture (nothing runs), then replay: this call's step
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, stream=side):
+            else:  # capture (nothing runs), then replay: this call's step; kept only once captured whole
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=side):
                     self.compiled(model, temperature, eos_token)
+                self.graph = graph
                 self.captures += 1
         torch.cuda.current_stream().wait_stream(side)
         if self.graph is not None:
