@@ -6,9 +6,10 @@ with a ``models.ltm.SegmentCache`` per layer instead: the current segment's keys
 state of constant size whatever the context, allocated at the bank's capacity (its one-token step compiles to one
 graph too).
 
-``decode_next`` is the fast path: one compiled call a token that runs the step, picks the token, writes it into the
-output and advances the position, all in place on ``model.decode_state`` (buffers ``setup_kv_cache`` allocates,
-so their addresses never change and a CUDA graph replays with no input copied and no eager op between tokens).
+``decode_next`` is the fast path: one call a token that runs the step, picks the token, writes it into the output
+and advances the position, all in place on ``model.decode_state`` (buffers ``setup_kv_cache`` allocates, so their
+addresses never change and a CUDA graph replays with no input copied and no eager op between tokens);
+``models.decode_graph.GraphedStep`` compiles it and captures it into that graph.
 
 Shapes: B batch, S new tokens, G kv heads, D head dim, M the cache's length (``max_seq_len``).
 """
@@ -111,8 +112,9 @@ def decode_next(model: nn.Module, temperature: float = 0.0, eos_token: int | Non
     next token picked (the argmax at temperature 0, else a draw from softmax(logits / temperature) by the
     Gumbel-max trick: one ``rand`` the graph holds, where ``multinomial`` would need the host's generator), a
     finished sequence's token kept at ``eos_token``, the token written into ``out`` at ``pos + 1`` and ``pos``
-    advanced. Compile it once (``torch.compile(decode_next, mode="reduce-overhead", fullgraph=True)``) and hand
-    it to ``generate(..., step=...)``: every tensor it reads or writes is a buffer, so its CUDA graph replays with
+    advanced. ``GraphedStep()`` (``models.decode_graph``) is this step compiled and captured into a CUDA graph,
+    for ``generate(..., step=...)``; ``torch.compile(decode_next, mode="reduce-overhead", fullgraph=True)`` works
+    too, with more host work a token. Every tensor it reads or writes is a buffer, so its CUDA graph replays with
     no input copied and nothing else launched between tokens."""
     s = model.decode_state
     logits = model(s.token, input_pos=s.pos)[:, -1]
@@ -143,9 +145,9 @@ def generate(model: nn.Module, prompt: Tensor, new_tokens: int, temperature: flo
              generator: torch.Generator | None = None, eos_token: int | None = None,
              step: Callable[[nn.Module, float, int | None], None] | None = None) -> Tensor:
     """``prompt`` (B, P) and ``new_tokens`` more (B, P + new_tokens): prefill, then one ``decode`` per token (pass
-    a compiled ``decode_one``), or with ``step`` one call of it a token (a compiled ``decode_next``: the fast
-    path, the token picked and written inside the graph; no ``generator``, its draws are the device's). The
-    caches must hold B sequences of P + new_tokens (``setup_kv_cache``).
+    a compiled ``decode_one``), or with ``step`` one call of it a token (``GraphedStep()`` or a compiled
+    ``decode_next``: the fast path, the token picked and written inside the graph; no ``generator``, its draws
+    are the device's). The caches must hold B sequences of P + new_tokens (``setup_kv_cache``).
 
     Nothing is read back to the host between tokens: the position is a device tensor advanced in place, each
     token is sampled and written into the output on the device, and a sequence that has produced ``eos_token``
@@ -195,7 +197,7 @@ def _generate_in_place(model: nn.Module, prompt: Tensor, new_tokens: int, temper
                        eos_token: int | None, step: Callable[[nn.Module, float, int | None], None]) -> Tensor:
     """``generate`` through ``step`` (``decode_next``): the prefill and its token eager, then one call a token."""
     s: DecodeState = model.decode_state
-    B, P = prompt.shape
+    P = prompt.shape[1]
     token = sample(prefill(model, prompt), temperature)
     s.out[:, :P] = prompt
     s.out[:, P:P + 1] = token
