@@ -1,11 +1,10 @@
 """``decode_next`` captured once into a CUDA graph the host replays a token: the README's fast ``generate`` step.
 
 A step compiled with ``reduce-overhead`` is replayed by CUDA-graph trees behind dynamo's guards, and that host work
-(guards over every parameter and buffer, the trees' input and pool checks) is paid on every call: on an H200 under
-load it came to 0.35-0.68 ms a token against a 0.78 ms llama_1b step, close enough that a slow call leaves the GPU
-idle (docs/notebook.md, thirty-seventh entry). Here inductor compiles the step without its own graphs and the step is
-captured once into a ``torch.cuda.CUDAGraph`` (as vLLM and SGLang capture theirs): a token costs the host one
-``replay()``. ``decode_next`` reads and writes buffers only (``model.decode_state``, the caches), whose addresses
+(guards over every parameter and buffer, the trees' input and pool checks) is paid on every call, near enough a
+small model's step to leave the GPU idle between tokens. Here inductor compiles the step without its own graphs and
+the step is captured once into a ``torch.cuda.CUDAGraph`` (as vLLM and SGLang capture theirs): a token costs the
+host one ``replay()``. ``decode_next`` reads and writes buffers only (``model.decode_state``, the caches), whose addresses
 ``setup_kv_cache`` fixes, so the captured graph serves every position.
 """
 
