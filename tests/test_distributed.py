@@ -78,6 +78,21 @@ def test_ddp_and_fsdp2_train_as_one_process_does(params_file, tmp_path, model, s
         assert_same_training(hsdp, one)  # two replicas of two shards each
 
 
+def test_blocks_compiled_under_ddp_train_as_the_eager_process_does(params_file, tmp_path):
+    # issue 67: an eager step that is host-bound has the collectives wait on the slower rank; compiled blocks are
+    # the fix, and they must train as eager does (fp32; inductor's fused reductions sum in another order)
+    one = run(params_file, tmp_path / "one.json", 1)
+    ddp = run(params_file, tmp_path / "ddp.json", 2, dp=2, extra=("--compile-mode", "default"))
+    assert (ddp["compile_mode"], ddp["compiled_blocks"], one["compile_mode"], one["compiled_blocks"]) == \
+        ("default", 2, None, 0)
+    assert ddp["losses"] == pytest.approx(one["losses"], rel=1e-4)
+    for name, value in one["weights"].items():
+        assert ddp["weights"][name] == pytest.approx(value, rel=1e-4), name
+    bad = torchrun(params_file, tmp_path / "x.json", 1, extra=("--compile-mode", "fast"))
+    assert bad.returncode != 0 and "--compile-mode 'fast'; allowed: default, reduce-overhead" in bad.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.parametrize("model", ["dense_small", "llama_tiny"])
 def test_tensor_parallelism_trains_and_decodes_as_one_process_does(params_file, tmp_path, model):
     one = run(params_file, tmp_path / "one.json", 1, model=model)

@@ -203,7 +203,29 @@ def test_a_profiles_resharding_reaches_only_the_fsdp_jobs():
     assert not any("reshard" in s for s in job_sets("ddp", 2, run) + job_sets("single", 1, run))
 
 
+def test_the_compile_mode_reaches_every_training_job_and_its_rows_say_so(monkeypatch, tmp_path):
+    import typing
+
+    from adaattn.models.train import COMPILE_MODES
+    from adaattn_experiments.distributed import study as distributed
+    from adaattn_experiments.distributed.schema import DistributedRun
+
+    allowed = typing.get_args(typing.get_args(DistributedRun.model_fields["compile_mode"].annotation)[0])
+    assert allowed == COMPILE_MODES  # spelled out in the schema (params validate without torch): kept in step
+    job = {"ranks": [{"seconds": 2.0}], "steps": 1, "tokens_per_s": 10.0, "tokens_per_s_per_rank": 10.0,
+           "peak_mib_max": 1.0, "device": "cpu", "losses": [2.0, 1.0]}
+    for mode in ("reduce-overhead", None):
+        run, launched = _params({"compile_mode": mode}).g3_t2.cpu, []
+        monkeypatch.setattr(distributed, "launch", lambda module, args, *a: launched.append(args) or job)
+        for layout, ws in (("single", 1), ("ddp", 2)):
+            rows = distributed.run_job("m", layout, ws, run, tmp_path / "p.yaml", tmp_path)
+            assert rows[0]["reason"].endswith(f"; blocks compiled ({mode})" if mode else "; eager")
+        flags = [args[args.index("--compile-mode") + 1] if "--compile-mode" in args else None for args in launched]
+        assert flags == [mode, mode]
+
+
 @pytest.mark.parametrize("update, match", [
+    ({"compile_mode": "fast"}, "G3-T2.cpu.compile_mode"),
     ({"world_sizes": [2]}, "world_sizes must hold 1"),
     ({"layouts": ["ddp", "ddp"]}, "layouts must not repeat"),
     ({"layouts": ["pp"]}, "layouts"),

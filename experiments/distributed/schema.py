@@ -52,6 +52,9 @@ class DistributedRun(_Section):
     steps: PositiveInt
     warmup: NonNegativeInt = 2
     dtype: Literal["bf16", "fp32"] = "bf16"
+    # every training job's blocks compiled in this mode (the one-rank baselines too); None: eager. The modes are
+    # models.train.COMPILE_MODES, spelled out so that params validate without importing torch (a test ties them)
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
     allreduce_mib: Annotated[list[PositiveFloat], Field(min_length=1)]
     repeats: PositiveInt = 1  # every job this many times, the layouts' jobs interleaved in each round
     trace_steps: NonNegativeInt = 0  # GPU: steps after the timed ones, traced: the exposed communication

@@ -254,13 +254,15 @@ def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: 
             "--seq-len", str(run.seq_len),
             "--steps", str(run.steps), "--warmup", str(run.warmup), "--dtype", run.dtype,
             "--params", str(params_file), "--trace-steps", str(trace_steps),
-            *(["--shard-one"] if shards_one(layout, ws) else [])]
+            *(["--shard-one"] if shards_one(layout, ws) else []),
+            *(["--compile-mode", run.compile_mode] if run.compile_mode else [])]
     job = launch(TRAIN, args, ws, run, tmp / f"{model}-{layout}-{ws}.json", layout)
     if isinstance(job, str):
         return [{"metric": "tokens_per_s", "value": None, "unit": "tokens/s", "status": "error", "reason": job}]
     seconds = max(r["seconds"] for r in job["ranks"])
     ok = {"status": "ok", "reason": ""}
-    parts = f"; each rank's batch in {run.micro_batches} micro-batches a step" if run.micro_batches > 1 else ""
+    parts = (f"; each rank's batch in {run.micro_batches} micro-batches a step" if run.micro_batches > 1 else "") + \
+        (f"; blocks compiled ({run.compile_mode})" if run.compile_mode else "; eager")
     return [{**ok, "metric": "tokens_per_s", "value": job["tokens_per_s"], "unit": "tokens/s",
              "reason": "every rank's tokens over the slowest rank's seconds" + parts},
             {**ok, "metric": "tokens_per_s_per_rank", "value": job["tokens_per_s_per_rank"], "unit": "tokens/s"},

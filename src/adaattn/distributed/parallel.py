@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from adaattn.distributed.layout import Layout
 from adaattn.errors import ConfigError
 from adaattn.models.config import ModelConfig
-from adaattn.models.train import DTYPES
+from adaattn.models.train import DTYPES, optimize_model
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 MESH_DIMS = ("dp", "fsdp", "tp")
@@ -186,15 +186,21 @@ def end_process_group(finished: bool) -> None:
         dist.destroy_process_group()
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, shard_one: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh, shard_one: bool = False,
+                compile_mode: str | None = None) -> nn.Module:
     """``model`` (on this rank's device, the same weights on every rank) wrapped for ``layout``: FSDP2 where
     ``fsdp`` > 1 (each block its own unit, so one block's parameters are gathered at a time, then the rest at the
     root; over a (dp, fsdp) mesh where dp > 1 too: HSDP), else DDP where ``dp`` > 1. Tensor parallelism where
     ``tp`` > 1 (``tensor_parallel``) comes first: FSDP2 then shards its DTensors over the fsdp dimension too (a
     2-D mesh, torchtitan's order). ``shard_one``: FSDP2 at fsdp = 1 too (one rank: FSDP2's precision regime,
-    compute in ``param_dtype`` over fp32 sharded weights, what FSDP2 at N ranks is compared with)."""
+    compute in ``param_dtype`` over fp32 sharded weights, what FSDP2 at N ranks is compared with).
+    ``compile_mode``: each block compiled in that mode (``models.train.optimize_model``'s ``blocks`` scope) after
+    tensor parallelism and before FSDP2 or DDP wrap it, torchtitan's order; None: eager. An eager step that is
+    host-bound runs each rank at its host's pace, and the collectives then wait on the slowest rank."""
     if layout.tp > 1:
         tensor_parallel(model, mesh["tp"])
+    if compile_mode is not None:
+        optimize_model(model, compile_mode=compile_mode, tf32=False, compile_scope="blocks")
     if layout.fsdp > 1 or shard_one:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from adaattn.distributed.layout import load_run_params
 from adaattn.errors import ConfigError
+from adaattn.models.train import COMPILE_MODES
 from adaattn.distributed.parallel import (RankStats, check_layout, collective_kernels, collective_skew,
                                          end_process_group, exposed_communication, gather_stats, init_mesh,
                                          parallelize, write_run)
@@ -100,6 +101,8 @@ def main(
     shard_one: Annotated[bool, typer.Option(help="FSDP2 at parallel.fsdp=1 too: one rank in FSDP2's precision "
                                             "regime (its MixedPrecisionPolicy), the baseline FSDP2 runs are "
                                             "read against")] = False,
+    compile_mode: Annotated[str | None, typer.Option(help="each block compiled in this torch.compile mode "
+                                                     f"({', '.join(COMPILE_MODES)}); unset: eager")] = None,
 ) -> None:
     """Train ``--model`` for ``--steps`` in params.yaml's ``parallel`` layout."""
     console = Console(stderr=True, soft_wrap=True)  # each rank's lines whole in a launcher's log
@@ -121,6 +124,8 @@ def main(
                               f"sequences a step (--batch {batch_size} over {shares} data-parallel ranks)")
         if seq_len > cfg.max_seq_len:
             raise ConfigError(f"--seq-len {seq_len} is over models.{model}.max_seq_len={cfg.max_seq_len}")
+        if compile_mode is not None and compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"--compile-mode {compile_mode!r}; allowed: {', '.join(COMPILE_MODES)} (unset: eager)")
         if dtype not in ("bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype {dtype!r}; allowed: bf16, fp16, fp32")
         if layout.tp > 1 and (load is not None or save is not None):
@@ -148,7 +153,8 @@ def main(
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
             else torch.device("cpu")
         torch.manual_seed(seed)
-        net = parallelize(build_model(cfg, device=device), layout, mesh, shard_one=shard_one)
+        base = build_model(cfg, device=device)
+        net = parallelize(base, layout, mesh, shard_one=shard_one, compile_mode=compile_mode)
         optimizer = torch.optim.AdamW(param_groups(net, 0.1), lr=lr, betas=(0.9, 0.95),
                                       fused=device.type == "cuda")
         trainer = Trainer(net, optimizer, dtype=dtype, tf32=True if device.type == "cuda" else None)
@@ -202,7 +208,9 @@ def main(
         if save is not None:
             checkpoint(save, net, optimizer, done + warmup + steps + (trace_steps if comm else 0))
         if dist.get_rank() == 0:
-            run = {"model": model, "layout": layout.model_dump(), "steps": steps, "warmup": warmup,
+            compiled = sum(getattr(b, "_compiled_call_impl", None) is not None for b in base.blocks)
+            run = {"model": model, "layout": layout.model_dump(), "compile_mode": compile_mode,
+                   "compiled_blocks": compiled, "steps": steps, "warmup": warmup,
                    "batch": batch_size, "micro_batches": micro_batches, "seq_len": seq_len, "dtype": dtype,
                    "device": device.type,
                    "losses": [float(x) for x in losses], "grad_norms": [float(x) for x in norms], "weights": digest,
