@@ -282,6 +282,43 @@ def test_later_rounds_run_only_while_the_budget_lasts(monkeypatch):
     assert skipped[0]["reason"] == "round 2 not run: its 10 s (round 1's) past G3-T2 budget_s=55 at 50 s"
 
 
+def test_first_round_jobs_decode_and_all_reduce_start_only_while_the_budget_lasts(monkeypatch):
+    """A first-round job is guessed at its model's longest job so far, a decode job at the longest decode job so
+    far, the all-reduce at nothing: what would end past budget_s is a row that says so, and the run still ends with
+    what it measured (a device call's kill would keep nothing)."""
+    from adaattn_experiments.distributed import study as distributed
+
+    decode = {"model": "dense_small", "batches": [1], "prompt_len": 8, "new_tokens": 4, "rounds": 1,
+              "allreduce": ["nccl"]}
+    params = _params({"layouts": ["ddp", "fsdp"], "budget_s": 25, "decode": decode})
+    clock, ran = [0.0], []
+
+    def job(name):
+        def run(*args):
+            ran.append(name if name != "train" else args[1:3])
+            clock[0] += 10  # every job takes 10 s
+            return [{"metric": "tokens_per_s", "value": 1.0, "status": "ok"}]
+        return run
+
+    monkeypatch.setattr(distributed, "run_job", job("train"))
+    monkeypatch.setattr(distributed, "decode_job", job("decode"))
+    monkeypatch.setattr(distributed, "allreduce_rows", job("all-reduce"))
+    monkeypatch.setattr(distributed.time, "monotonic", lambda: clock[0])
+    rows = distributed.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    # single x1 ends at 10, fsdp x1 at 20; ddp x2 would end at 30; the first decode job has no guess (20 <= 25)
+    # and ends at 30, the second would end at 40; the all-reduce starts past the budget
+    assert ran == [("single", 1), ("fsdp", 1), "decode"]
+    skipped = {(r["mode"], r["provider"], r["world_size"]): r["reason"] for r in rows if r["status"] == "unavailable"}
+    assert skipped == {
+        ("train", "ddp", 2): "round 1 not run: its 10 s (dense_small's longest job so far) past G3-T2 budget_s=25 "
+                             "at 20 s",
+        ("train", "fsdp", 2): "round 1 not run: its 10 s (dense_small's longest job so far) past G3-T2 budget_s=25 "
+                              "at 20 s",
+        ("decode", "tp", 2): "the decode job not run: its 10 s (the longest decode job so far) past G3-T2 "
+                             "budget_s=25 at 30 s",
+        ("all_reduce", "all_reduce", 2): "the all-reduce job not run: past G3-T2 budget_s=25 at 30 s"}
+
+
 def test_fsdp_over_tp_pairs_needs_four_ranks(monkeypatch):
     """At two ranks FSDP2 x TP would be TP alone: a row that says so, no job; at four, a job of a 2 x 2 mesh."""
     from adaattn_experiments.distributed import study as distributed

@@ -39,8 +39,9 @@ class DistributedRun(_Section):
     the scaling efficiency is read per round. NCCL's (gloo's) all-reduce bus bandwidth at each of
     ``allreduce_mib`` in the same run, at the largest world size: the ceiling for the gradients' traffic.
     ``budget_s``: the run's time from its first job; the first round, the decode jobs and the all-reduce run
-    first, and a later round's job starts only if its first-round time still fits (a row says which did not):
-    a machine lent for a few minutes a call keeps what was measured."""
+    first, and a job starts only if its guessed time still fits: a later round's job its first-round time, a
+    first-round job its model's longest so far, a decode job the longest decode job so far (a row says which did
+    not): a machine lent for a few minutes a call keeps what was measured."""
 
     models: Annotated[list[str], Field(min_length=1)]  # presets of `models`
     layouts: Annotated[list[Literal[DISTRIBUTED_LAYOUTS]], Field(min_length=1)]  # type: ignore[valid-type]

@@ -143,9 +143,13 @@ class Distributed(StudyDef):
             # round 0 with its traces, then the decode jobs and the all-reduce, then the rounds the budget allows
             rows += self._round(params, run, held, 0, params_file, Path(tmp), took, start)
             if run.decode is not None:
-                rows += self._decode_rows(params, run, held, params_file, Path(tmp))
+                rows += self._decode_rows(params, run, held, params_file, Path(tmp), start)
             largest = max(w for w in run.world_sizes if held is None or w <= held)
-            if largest > 1:
+            if largest > 1 and (why := _past_budget(run, start, 0.0, "the all-reduce job", "")):
+                rows.append({"table_id": "G3-T2", "kernel": "", "world_size": largest, "mode": "all_reduce",
+                             "provider": "all_reduce", "case_id": f"all_reduce/x{largest}", "metric": "busbw_gbps",
+                             "value": None, "unit": "GB/s", "status": "unavailable", "reason": why})
+            elif largest > 1:
                 self.note(f"all-reduce bus bandwidth x{largest}")
                 rows += allreduce_rows(largest, run, Path(tmp))
             for rnd in range(1, run.repeats):  # rounds: a slow spell of the machine falls on every layout alike
@@ -155,7 +159,7 @@ class Distributed(StudyDef):
     def _round(self, params: Params, run: DistributedRun, held: int | None, rnd: int, params_file: Path, tmp: Path,
                took: dict[tuple, float], start: float) -> list[dict]:
         """One round of every training job; ``took``: each job's seconds in round 0 (filled by it), which a later
-        round's job must still fit in ``run.budget_s`` from ``start``."""
+        round's job must still fit in ``run.budget_s`` from ``start`` (a first-round job: its model's longest)."""
         rows = []
         for model in run.models:
             for ws in run.world_sizes:
@@ -171,12 +175,16 @@ class Distributed(StudyDef):
                                          "status": "unavailable", "reason": why})
                         continue
                     key = (model, layout, ws)
-                    elapsed = time.monotonic() - start
-                    if rnd and run.budget_s is not None and elapsed + took.get(key, 0.0) > run.budget_s:
+                    # a later round's job guessed at its own first-round time; a first-round job at its model's
+                    # longest so far (compiled jobs take minutes: the run must end inside the device call with
+                    # its file written, not be killed with everything it measured)
+                    guess = took.get(key, 0.0) if rnd else max((t for k, t in took.items() if k[0] == model),
+                                                               default=0.0)
+                    over = _past_budget(run, start, guess, f"round {rnd + 1}",
+                                        "round 1's" if rnd else f"{model}'s longest job so far")
+                    if over is not None:
                         rows.append({**base, "metric": "tokens_per_s", "value": None, "unit": "tokens/s",
-                                     "status": "unavailable", "reason": f"round {rnd + 1} not run: its "
-                                     f"{took.get(key, 0.0):.0f} s (round 1's) past G3-T2 budget_s={run.budget_s:g} "
-                                     f"at {elapsed:.0f} s"})
+                                     "status": "unavailable", "reason": over})
                         continue
                     self.note(f"round {rnd + 1}/{run.repeats}: {model} {layout} x{ws}, a torchrun job")
                     t0 = time.monotonic()
@@ -187,17 +195,21 @@ class Distributed(StudyDef):
         return rows
 
     def _decode_rows(self, params: Params, run: DistributedRun, held: int | None, params_file: Path,
-                     tmp: Path) -> list[dict]:
+                     tmp: Path, start: float) -> list[dict]:
         dec = run.decode
-        rows = []
+        rows, took = [], [0.0]  # each decode job is guessed at the longest one so far
         for B in dec.batches:
             for ws in run.world_sizes:
                 for allreduce in ["nccl"] if ws == 1 else dec.allreduce:
-                    rows += self._decode_job_rows(params, run, held, B, ws, allreduce, params_file, tmp)
+                    t0 = time.monotonic()
+                    rows += self._decode_job_rows(params, run, held, B, ws, allreduce, params_file, tmp,
+                                                  _past_budget(run, start, max(took), "the decode job",
+                                                               "the longest decode job so far"))
+                    took.append(time.monotonic() - t0)
         return rows
 
     def _decode_job_rows(self, params: Params, run: DistributedRun, held: int | None, B: int, ws: int,
-                         allreduce: str, params_file: Path, tmp: Path) -> list[dict]:
+                         allreduce: str, params_file: Path, tmp: Path, over: str | None = None) -> list[dict]:
         dec = run.decode
         layout = SINGLE if ws == 1 else "tp"
         provider = layout if allreduce == "nccl" else f"{layout}_{allreduce}"
@@ -207,13 +219,21 @@ class Distributed(StudyDef):
         why = (f"world size {ws} needs {ws} GPUs; this machine has {held}" if held is not None and ws > held
                else "the one-shot all-reduce is symmetric memory's, on CUDA GPUs, in a compiled step"
                if allreduce != "nccl" and (self.device != "cuda" or not dec.compile)
-               else unrunnable(params, dec.model, layout, ws))
+               else unrunnable(params, dec.model, layout, ws) or over)
         if why is not None:
             return [{**base, "metric": "decode_ms_per_token", "value": None, "unit": "ms", "status": "unavailable",
                      "reason": why}]
         self.note(f"decode: {dec.model} batch {B} {provider} x{ws}, a torchrun job")
         return [{**base, **r} for r in decode_job(B, ws, allreduce, run, params_file, tmp)]
 
+def _past_budget(run: DistributedRun, start: float, guess: float, what: str, whose: str) -> str | None:
+    """Why ``what``, guessed at ``guess`` seconds (``whose`` time), would end past G3-T2.budget_s from ``start``;
+    None: it fits."""
+    elapsed = time.monotonic() - start
+    if run.budget_s is None or elapsed + guess <= run.budget_s:
+        return None
+    its = f"its {guess:.0f} s ({whose}) " if guess else ""
+    return f"{what} not run: {its}past G3-T2 budget_s={run.budget_s:g} at {elapsed:.0f} s"
 
 
 def _env() -> dict[str, str]:
