@@ -206,15 +206,17 @@ def test_a_profiles_resharding_reaches_only_the_fsdp_jobs():
 def test_the_compile_mode_reaches_every_training_job_and_its_rows_say_so(monkeypatch, tmp_path):
     import typing
 
+    from adaattn.distributed.train import records_graphs
     from adaattn.models.train import COMPILE_MODES
     from adaattn_experiments.distributed import study as distributed
-    from adaattn_experiments.distributed.schema import DistributedRun
+    from adaattn_experiments.distributed.schema import GRAPH_MODES, DistributedRun
 
     allowed = typing.get_args(typing.get_args(DistributedRun.model_fields["compile_mode"].annotation)[0])
     assert allowed == COMPILE_MODES  # spelled out in the schema (params validate without torch): kept in step
+    assert GRAPH_MODES == tuple(m for m in COMPILE_MODES if records_graphs(m))
     job = {"ranks": [{"seconds": 2.0}], "steps": 1, "tokens_per_s": 10.0, "tokens_per_s_per_rank": 10.0,
            "peak_mib_max": 1.0, "device": "cpu", "losses": [2.0, 1.0]}
-    for mode in ("reduce-overhead", None):
+    for mode in ("max-autotune-no-cudagraphs", None):  # the CPU profile accumulates micro-batches: no CUDA graphs
         run, launched = _params({"compile_mode": mode}).g3_t2.cpu, []
         monkeypatch.setattr(distributed, "launch", lambda module, args, *a: launched.append(args) or job)
         for layout, ws in (("single", 1), ("ddp", 2)):
@@ -226,6 +228,9 @@ def test_the_compile_mode_reaches_every_training_job_and_its_rows_say_so(monkeyp
 
 @pytest.mark.parametrize("update, match", [
     ({"compile_mode": "fast"}, "G3-T2.cpu.compile_mode"),
+    ({"compile_mode": "reduce-overhead", "micro_batches": 2},
+     "compile_mode=reduce-overhead with micro_batches=2: .*pytorch/pytorch#169545.*allowed with micro-batches: "
+     "default, max-autotune-no-cudagraphs"),
     ({"world_sizes": [2]}, "world_sizes must hold 1"),
     ({"layouts": ["ddp", "ddp"]}, "layouts must not repeat"),
     ({"layouts": ["pp"]}, "layouts"),

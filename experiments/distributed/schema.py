@@ -10,6 +10,13 @@ from adaattn_pipeline.config import ByProfile, check_preset
 from adaattn_pipeline.config import Section as _Section
 
 DISTRIBUTED_LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")  # fsdp_tp: FSDP2 over tensor-parallel pairs (a 2-D mesh)
+GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that record CUDA graphs (a test ties them)
+
+
+# why CUDA graphs and micro-batches do not mix (the training job says the same): the first micro-batch's gradient
+# is the backward graph's output itself, which the next micro-batch's replay overwrites before adding to it
+GRAPH_ACCUMULATION = ("a compiled backward's CUDA graph outputs the first micro-batch's gradients, which the next "
+                      "replay overwrites (pytorch/pytorch#169545)")
 
 
 class DistributedDecode(_Section):
@@ -74,6 +81,9 @@ class DistributedRun(_Section):
                              f"{self.world_sizes}")
         if self.batch_per_rank % self.micro_batches:
             raise ValueError(f"micro_batches={self.micro_batches} must divide batch_per_rank={self.batch_per_rank}")
+        if self.compile_mode in GRAPH_MODES and self.micro_batches > 1:
+            raise ValueError(f"compile_mode={self.compile_mode} with micro_batches={self.micro_batches}: "
+                             f"{GRAPH_ACCUMULATION}; allowed with micro-batches: default, max-autotune-no-cudagraphs")
         return self
 
 

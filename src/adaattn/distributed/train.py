@@ -33,6 +33,13 @@ from adaattn.distributed.parallel import (RankStats, check_layout, collective_ke
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
+def records_graphs(compile_mode: str) -> bool:
+    """Whether torch.compile's ``compile_mode`` records CUDA graphs (inductor's ``triton.cudagraphs``)."""
+    from torch._inductor import list_mode_options
+
+    return bool(list_mode_options(compile_mode).get("triton.cudagraphs"))
+
+
 def weights_digest(model: torch.nn.Module) -> dict[str, float]:
     """Each parameter's sum of squares over the whole tensor (gathered where sharded): the same numbers on every
     layout that holds the same weights. Called on every rank (a sharded tensor's gather is collective)."""
@@ -126,6 +133,12 @@ def main(
             raise ConfigError(f"--seq-len {seq_len} is over models.{model}.max_seq_len={cfg.max_seq_len}")
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ConfigError(f"--compile-mode {compile_mode!r}; allowed: {', '.join(COMPILE_MODES)} (unset: eager)")
+        if compile_mode is not None and micro_batches > 1 and records_graphs(compile_mode):
+            # the first micro-batch's gradient would be the backward graph's output itself, overwritten by the next
+            # replay before it is added to (pytorch/pytorch#169545: an error, or silently wrong gradients)
+            raise ConfigError(f"--compile-mode {compile_mode} records CUDA graphs, which cannot accumulate "
+                              f"--micro-batches {micro_batches} (pytorch/pytorch#169545); allowed with micro-batches: "
+                              f"{', '.join(m for m in COMPILE_MODES if not records_graphs(m))}")
         if dtype not in ("bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype {dtype!r}; allowed: bf16, fp16, fp32")
         if layout.tp > 1 and (load is not None or save is not None):
