@@ -135,7 +135,7 @@ def main(
             raise ConfigError(f"--compile-mode {compile_mode!r}; allowed: {', '.join(COMPILE_MODES)} (unset: eager)")
         if compile_mode is not None and micro_batches > 1 and records_graphs(compile_mode):
             # the first micro-batch's gradient would be the backward graph's output itself, overwritten by the next
-            # replay before it is added to (pytorch/pytorch#169545: an error, or silently wrong gradients)
+            # replay before it is added to (pytorch/pytorch#169545; #96693 shows a wrong gradient, no error)
             raise ConfigError(f"--compile-mode {compile_mode} records CUDA graphs, which cannot accumulate "
                               f"--micro-batches {micro_batches} (pytorch/pytorch#169545); allowed with micro-batches: "
                               f"{', '.join(m for m in COMPILE_MODES if not records_graphs(m))}")
