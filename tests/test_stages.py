@@ -167,3 +167,24 @@ def test_stale_lists_each_result_that_casts_no_verdict_and_how_to_measure_it(in_
     assert run.exit_code == 1, run.output
     assert "cpu_baseline@cpu" in run.output and "other code" in run.output
     assert "dvc repro -f cpu_baseline@cpu" in run.output
+
+
+def test_a_hash_that_reads_as_a_number_is_compared_as_text(tmp_path, monkeypatch):
+    """A params hash of digits around one "e" is a float (inf) to pandas: read as such, a fresh result was stale
+    (distributed@h200x2, 2026-12-01)."""
+    import pandas as pd
+
+    from adaattn_pipeline.report.read import read_results
+    from adaattn_pipeline.report import render
+
+    raw = load_raw(REPO / "params.yaml")
+    study = registry.studies()["cpu_baseline"]
+    monkeypatch.setattr(render, "params_hash", lambda values: "721e50482777")
+    (tmp_path / "cpu_baseline").mkdir()
+    path = tmp_path / "cpu_baseline" / "cpu.csv"
+    pd.DataFrame([{"target": "cpu", "hardware": "CPU", "params_hash": "721e50482777", "git_commit": "1e10",
+                   "code_hash": codegraph.study_code_hash(study.name, study.data_deps)}]).to_csv(path, index=False)
+    assert read_results(path).loc[0, ["params_hash", "git_commit"]].tolist() == ["721e50482777", "1e10"]
+    from adaattn_pipeline.config import validate
+
+    assert render.stale_results({"cpu_baseline": study}, validate(raw), raw, tmp_path) == {}

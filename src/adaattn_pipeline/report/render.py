@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from adaattn_pipeline.bench.results import read_study
+from adaattn_pipeline.report.read import read_results, read_study
 from adaattn_pipeline.codegraph import study_code_hash
 from adaattn_pipeline.config import Params, param_values, params_hash
 from adaattn_pipeline.report.common import (STALE, Section, Verdict, figures_off, guide_figures, is_stale, md_table,
@@ -57,7 +57,7 @@ def stale_results(studies: Mapping[str, Any], params: Params, raw: dict, results
     out = {}
     for name, study in studies.items():
         for path in sorted((results_root / name).glob("*.csv")):
-            df = pd.read_csv(path, usecols=lambda c: c in keep)
+            df = read_results(path, keep)
             out.update({f"{name}@{t}": why for t, why in staleness(study, params, raw, df).items()})
     return out
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from adaattn_pipeline.bench.provenance import PROVENANCE_COLUMNS
-from adaattn_pipeline.bench.results import read_results
+from adaattn_pipeline.report.read import read_results
 
 KEY_TAG = "adaattn.key"  # "<study>/<target>" on parent runs
 SHA_TAG = "adaattn.results_sha256"
