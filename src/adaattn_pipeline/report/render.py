@@ -12,11 +12,11 @@ from typing import Any
 
 import pandas as pd
 
-from adaattn_pipeline.report.read import read_results, read_study
 from adaattn_pipeline.codegraph import study_code_hash
 from adaattn_pipeline.config import Params, param_values, params_hash
 from adaattn_pipeline.report.common import (STALE, Section, Verdict, figures_off, guide_figures, is_stale, md_table,
                                            provenance_table, use_knobs, use_params)
+from adaattn_pipeline.report.read import read_results, read_study
 
 
 def report_of(study: Any) -> Callable[[pd.DataFrame, Path], list[Section]]:
