@@ -39,6 +39,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                           "needed GB / step": fmt(need / 1e9 if need else None),
                           "needed of copy": fmt(needed / copy[target] if needed and target in copy else None),
                           "kernels / step": fmt(at.get(("decode", "kernels_per_step", config))),
+                          "kernel gap us": fmt(at.get(("decode", "kernel_gap_us", config))),
                           "generate ms / token": fmt(at.get(("generate", "generate_ms_per_token", config))),
                           "compiled / this": ratio_text(r.iloc[0].to_dict()) if len(r) else "-",
                           "peak GB": fmt(at.get(("generate", "peak_mem_mb", config), float("nan")) * GB),

@@ -8,7 +8,8 @@ side across every config, ``no_cache`` running the whole prefix and the new toke
 memory over a prefill and ``new_tokens`` decode steps; and the bytes a decode step must read (weights, and the
 whole static cache, which the masked attention reads), from which the report gives the achieved bandwidth as a
 fraction of the copy bandwidth measured at the start of the same run (the decode roofline); the kernels one step
-launches (a CUDA trace); and for the compiled configs the README's ``generate`` loop's time a token.
+launches and the median gap between them (a CUDA trace); and for the compiled configs the README's ``generate``
+loop's time a token. A batch records every CUDA graph it uses before its first timed round.
 """
 
 from __future__ import annotations
@@ -86,10 +87,22 @@ def cache_bytes(model: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith(("cache.k", "cache.v")))
 
 
-def count_kernels(events) -> int:
+def _kernels(events) -> list:
     """GPU kernels among a profiler trace's events: device-side events but copies and memsets."""
-    return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset", "memcpy", "memset")))
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset", "memcpy", "memset"))]
+
+
+def count_kernels(events) -> int:
+    return len(_kernels(events))
+
+
+def median_kernel_gap_us(events) -> float | None:
+    """The median idle time between consecutive kernels of a trace (us; a negative gap is an overlap), or None
+    with fewer than two."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in _kernels(events))
+    gaps = sorted(b[0] - a[1] for a, b in zip(spans, spans[1:]))
+    return gaps[len(gaps) // 2] if gaps else None
 
 
 class Inference(StudyDef):
@@ -269,6 +282,16 @@ class Inference(StudyDef):
             return Workload(fwd=functools.partial(self._call, c, decoders[c], models[c], token, pos), inputs=[])
 
         with torch.no_grad():
+            # every CUDA graph the batch will use, recorded before anything is timed: on an H200 a decode step's
+            # graph replayed 10% slower (the same kernels, 0.42 us between them, not 0.10) once the step's calls had
+            # been captured into other graphs, and stayed so (notebook, 2026-12-01); the rounds and the generate
+            # loop are then read in one state, the one a program that captured its generate step is in
+            for c in steps:
+                self._generate(c, models[c], None, steps[c], tokens[:, :P + 2], P)
+            for c in (c for c in cached if c in COMPILED):  # the rounds' decoder: CUDA-graph trees record it
+                self._call(c, prefill, models[c], prompt)
+                for _ in range(3):
+                    decode_work(c).fwd()
             for c in cached:  # the caches hold the prompt before any decode step is timed
                 self._call(c, prefill, models[c], prompt)
             pre = {**common, "case_id": f"{case}/prefill", "phase": "prefill"}
@@ -301,8 +324,7 @@ class Inference(StudyDef):
                 need = weight_bytes(model) + (cache_bytes(model) * (P + 1) // (P + N) if c != "no_cache" else 0)
                 rows.append({**dec, "provider": c, "mode": "fwd", "metric": "decode_bytes_needed", "value": need,
                              "unit": "bytes", "status": "ok", "reason": "weights, and the KV cache's filled positions"})
-                rows.append({**dec, **self._kernels_per_step(decode_work(c).fwd), "provider": c,
-                             "mode": "fwd"})
+                rows += [{**dec, **row, "provider": c, "mode": "fwd"} for row in self._trace_rows(decode_work(c).fwd)]
                 if c in COMPILED:
                     rows.append({**gen, "provider": c, "mode": "fwd", **self._generate_ms(models[c], None, prompt,
                                                                                           N, step=steps[c])})
@@ -310,12 +332,14 @@ class Inference(StudyDef):
             clear_kv_cache(models[c])
         return rows
 
-    def _kernels_per_step(self, step) -> dict:
-        """The GPU kernels one decode step launches, from a CUDA trace of one call (warm: after the timed rounds)."""
-        row = {"metric": "kernels_per_step", "unit": "kernels"}
+    def _trace_rows(self, step) -> list[dict]:
+        """From a CUDA trace of one decode step (warm: after the timed rounds), the kernels it launches and the
+        median gap between one kernel's end and the next one's start (the graph's launch pace: which state the
+        rounds ran in)."""
+        rows = [{"metric": "kernels_per_step", "unit": "kernels"}, {"metric": "kernel_gap_us", "unit": "us"}]
         if self.device != "cuda":
-            return {**row, "value": None, "status": "unavailable",
-                    "reason": "kernels are counted from a CUDA trace: a CPU launches none"}
+            return [{**row, "value": None, "status": "unavailable",
+                     "reason": "read from a CUDA trace: a CPU launches no kernels"} for row in rows]
         from torch.profiler import ProfilerActivity
 
         step()
@@ -324,8 +348,11 @@ class Inference(StudyDef):
         with profiler_session([ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        return {**row, "value": count_kernels(prof.events()), "status": "ok",
-                "reason": "device-side events of one step's trace, copies and memsets left out"}
+        events = prof.events()
+        return [{**rows[0], "value": count_kernels(events), "status": "ok",
+                 "reason": "device-side events of one step's trace, copies and memsets left out"},
+                {**rows[1], "value": median_kernel_gap_us(events), "status": "ok",
+                 "reason": "one step's trace: the median of each kernel's start less the previous one's end"}]
 
     def _generate_ms(self, model: nn.Module, decode, prompt: Tensor, N: int, keep: dict | None = None,
                      step=None) -> dict:
