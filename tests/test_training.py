@@ -90,10 +90,24 @@ def test_each_compile_mode_is_timed_against_the_eager_rung(monkeypatch, tmp_path
     from adaattn_experiments.training.study import STUDY
     from adaattn_experiments.training.report import render
 
+    from torch._dynamo.utils import counters
+
+    from adaattn_experiments.training import study as training
+
     compile_ = torch.compile
     modes = []
-    # dynamo's own eager backend: the plumbing without inductor's CPU compile time
-    monkeypatch.setattr(torch, "compile", lambda m, mode=None, **k: modes.append(mode) or compile_(m, backend="eager"))
+
+    def compile_eager(model, mode=None, **kwargs):
+        # dynamo's own eager backend: the plumbing without inductor's CPU compile time; each call counted as a graph
+        # inductor took from its cache
+        modes.append(mode)
+        compiled = compile_(model, backend="eager")
+        compiled.register_forward_pre_hook(lambda *a: counters["inductor"].update(fxgraph_cache_hit=1))
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", compile_eager)
+    ticks = iter(range(1 << 20))
+    monkeypatch.setattr(training, "_clock", lambda: float(next(ticks)))
     params = _params({"rungs": ["sdpa", "compile"], "compile_modes": ["default", "reduce-overhead"]},
                      {"G1-C1": None})
     study = STUDY.bind("cpu")
@@ -106,12 +120,20 @@ def test_each_compile_mode_is_timed_against_the_eager_rung(monkeypatch, tmp_path
                                                                       "compile:reduce-overhead"}
     assert sorted(group[group.metric == "paired_ratio"].provider) == ["compile:default", "compile:reduce-overhead"]
     assert set(group[group.metric == "cudagraph_skips"].provider) == {"compile:default", "compile:reduce-overhead"}
+    # each mode's first step (the clock reads once before it and once after) and the FX graph cache's count of it
+    at = group[group.status == "ok"].set_index(["metric", "provider"])["value"]
+    for mode in ("compile:default", "compile:reduce-overhead"):
+        assert at["first_step_s", mode] == 1.0
+        assert (at["fxgraph_cache_hits", mode], at["fxgraph_cache_misses", mode]) == (1, 0)
+    assert "first_step_s" not in set(group[group.provider == "eager"].metric)
+    assert next(ticks) == 2 * 3  # the first step of each rung built (sdpa, compile, compile:reduce-overhead) alone
     sections = render(df, tmp_path)
     c1 = next(s for s in sections if s.table_id == "G0-C1")
     claims = [v.claim for v in c1.verdicts if "mode" in v.claim]
     assert claims == [f"torch.compile 10-30% more (whole training step, mode {m})" for m in ("default",
                                                                                             "reduce-overhead")]
     assert "| reduce-overhead" in c1.markdown
+    assert "| 1 (1 of 1 graphs cached)" in c1.markdown
     # a guide mode the target did not run is a row that says so, never a silent gap
     row = next(line for line in c1.markdown.splitlines() if "| max-autotune " in line)
     assert "not measured: not in this target's compile_modes" in row

@@ -75,11 +75,15 @@ def _compile_modes(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
             r = ratios[(ratios["target"] == target) & (ratios["vs"] == mode)]
             r = r.iloc[0].to_dict() if len(r) else None
             skips = ok.get(("cudagraph_skips", mode))
+            first, hits, misses = (ok.get((m, mode)) for m in ("first_step_s", "fxgraph_cache_hits",
+                                                                "fxgraph_cache_misses"))
             table.append({"target": target, "mode": mode.partition(":")[2],
                           "eager step ms": fmt(ok.get(("side_by_side_ms", "eager"))),
                           "compiled step ms": fmt(ok.get(("side_by_side_ms", mode))),
                           "gain (eager / compiled)": ratio_text(r) if r else "-",
-                          "CUDA-graph skips": fmt(skips)})
+                          "CUDA-graph skips": fmt(skips),
+                          "first step s": "-" if first is None else f"{fmt(first)} ({hits:g} of {hits + misses:g} "
+                                                                    "graphs cached)"})
             if r is None:
                 continue
             claim = f"torch.compile 10-30% more (whole training step, mode {mode.partition(':')[2]})"
@@ -91,7 +95,7 @@ def _compile_modes(df: pd.DataFrame) -> tuple[str, list[Verdict]]:
         for mode in [m for m in GUIDE_COMPILE_MODES if f"compile:{m}" not in set(frame["provider"])]:
             table.append({"target": target, "mode": mode, "eager step ms": "-", "compiled step ms": "-",
                           "gain (eager / compiled)": "not measured: not in this target's compile_modes (params.yaml "
-                          "G0-T1 says why)", "CUDA-graph skips": "-"})
+                          "G0-T1 says why)", "CUDA-graph skips": "-", "first step s": "-"})
     md = prose(__file__, "compile_modes", table=md_table(pd.DataFrame(table)))
     return md, verdicts
 
