@@ -262,11 +262,44 @@ def test_accumulated_micro_batches_make_the_whole_batchs_step():
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
     torch.testing.assert_close(weights[1], weights[0], rtol=1e-5, atol=1e-6)
+    # every part adds into one gradient allocated before the first, never into a tensor a backward returned (under
+    # CUDA graphs that is the graph's output, overwritten by the next part: pytorch/pytorch#169545)
+    grads, backward = {}, torch.Tensor.backward
+
+    def spy(loss, *args, **kwargs):
+        for p in model.parameters():
+            grads.setdefault(p, set()).add(None if p.grad is None else p.grad.data_ptr())
+        return backward(loss, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "backward", spy)
+        trainer.train_step(tokens, micro_batches=4)
+    assert all(len(ptrs) == 1 and None not in ptrs for ptrs in grads.values())
     torch.testing.assert_close(weights[2], weights[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="micro_batches=3 must be a positive int dividing the batch"):
         trainer.train_step(tokens, micro_batches=3)
     with pytest.raises(ValueError, match=r"batch must be tokens \(B, S \+ 1\).*got shape \(17,\)"):
         trainer.train_step(tokens[0])
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_micro_batches_accumulate_under_cuda_graphs():
+    """Blocks compiled under CUDA graphs, a step in 4 micro-batches: the same step as eager (pytorch/pytorch#169545:
+    without gradients allocated before the first part this raises, or accumulates a wrong gradient)."""
+    from adaattn.models.train import Trainer, optimize_model
+
+    cfg = _small(n_layers=4)
+    tokens = torch.randint(0, cfg.vocab_size, (8, 33), generator=torch.Generator().manual_seed(0)).cuda()
+    runs = []
+    for mode in (None, "reduce-overhead"):
+        torch.manual_seed(0)
+        model = Transformer(cfg).cuda()
+        optimize_model(model, compile_mode=mode, tf32=False, compile_scope="blocks")
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), dtype="fp32", grad_clip=None)
+        losses = [float(trainer.train_step(tokens, micro_batches=4)["loss"]) for _ in range(3)]
+        runs.append((losses, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-4)
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-5)
 
 
 def test_optimize_says_what_it_set_and_keeps_the_models_parameters():

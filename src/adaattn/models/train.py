@@ -76,6 +76,17 @@ def _eager_outside_autograd(block: nn.Module) -> None:
     block._compiled_call_impl = call
 
 
+def _gradients_allocated(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's gradient allocated (zeros) where it has none, so that every micro-batch's backward adds into
+    it in place. Otherwise autograd keeps the first micro-batch's gradient as ``.grad`` without a copy; under CUDA
+    graphs (``reduce-overhead``) that tensor is the backward graph's output, which the next micro-batch's replay
+    overwrites before adding to it: an error, or a wrong gradient (pytorch/pytorch#169545)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
 def _check_dtype(dtype: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of: {', '.join(DTYPES)}")
@@ -192,7 +203,8 @@ class Trainer:
         ``micro_batches``: the batch split into that many equal parts, each's forward and backward in turn
         (gradient accumulation: one part's activations in memory at a time), one optimizer step; the gradients
         and the loss are the whole batch's mean. Under DDP or FSDP2 the gradients are reduced once, after the
-        last part."""
+        last part. The parts add into gradients allocated before the first (``_gradients_allocated``: under CUDA
+        graphs a gradient taken from the first part's backward would be overwritten by the next)."""
         if isinstance(batch, Tensor) and batch.dim() != 2:
             raise ValueError(f"batch must be tokens (B, S + 1) or (inputs, targets); got shape {tuple(batch.shape)} "
                              f"(one sequence: batch[None])")
@@ -202,6 +214,8 @@ class Trainer:
                              f"({inputs.shape[0]} sequences)")
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         self.model.train()
+        if micro_batches > 1:
+            _gradients_allocated(self.optimizer)
         losses = []
         for i, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True)):
             with tf32_mode(self.tf32), _gradient_sync(self.model, i == micro_batches - 1):
