@@ -80,7 +80,7 @@ def _gradients_allocated(optimizer: torch.optim.Optimizer) -> None:
     """Each parameter's gradient allocated (zeros) where it has none, so that every micro-batch's backward adds into
     it in place. Otherwise autograd keeps the first micro-batch's gradient as ``.grad`` without a copy; under CUDA
     graphs (``reduce-overhead``) that tensor is the backward graph's output, which the next micro-batch's replay
-    overwrites before adding to it: an error, or a wrong gradient (pytorch/pytorch#169545)."""
+    overwrites before adding to it: an error (pytorch/pytorch#169545) or a wrong gradient (#96693)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad and p.grad is None:
