@@ -206,7 +206,7 @@ def test_a_profiles_resharding_reaches_only_the_fsdp_jobs():
 def test_the_compile_mode_reaches_every_training_job_and_its_rows_say_so(monkeypatch, tmp_path):
     import typing
 
-    from adaattn.distributed.train import records_graphs
+    from adaattn.models.train import records_graphs
     from adaattn.models.train import COMPILE_MODES
     from adaattn_experiments.distributed import study as distributed
     from adaattn_experiments.distributed.schema import GRAPH_MODES, DistributedRun

@@ -25,19 +25,12 @@ from torch.distributed.tensor import DTensor
 
 from adaattn.distributed.layout import load_run_params
 from adaattn.errors import ConfigError
-from adaattn.models.train import COMPILE_MODES
+from adaattn.models.train import COMPILE_MODES, records_graphs
 from adaattn.distributed.parallel import (RankStats, check_layout, collective_kernels, collective_skew,
                                          end_process_group, exposed_communication, gather_stats, init_mesh,
                                          parallelize, write_run)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-
-
-def records_graphs(compile_mode: str) -> bool:
-    """Whether torch.compile's ``compile_mode`` records CUDA graphs (inductor's ``triton.cudagraphs``)."""
-    from torch._inductor import list_mode_options
-
-    return bool(list_mode_options(compile_mode).get("triton.cudagraphs"))
 
 
 def weights_digest(model: torch.nn.Module) -> dict[str, float]:
@@ -133,11 +126,12 @@ def main(
             raise ConfigError(f"--seq-len {seq_len} is over models.{model}.max_seq_len={cfg.max_seq_len}")
         if compile_mode is not None and compile_mode not in COMPILE_MODES:
             raise ConfigError(f"--compile-mode {compile_mode!r}; allowed: {', '.join(COMPILE_MODES)} (unset: eager)")
-        if compile_mode is not None and micro_batches > 1 and records_graphs(compile_mode):
-            # the first micro-batch's gradient would be the backward graph's output itself, overwritten by the next
-            # replay before it is added to (pytorch/pytorch#169545; #96693 shows a wrong gradient, no error)
-            raise ConfigError(f"--compile-mode {compile_mode} records CUDA graphs, which cannot accumulate "
-                              f"--micro-batches {micro_batches} (pytorch/pytorch#169545); allowed with micro-batches: "
+        if micro_batches > 1 and records_graphs(compile_mode) and (layout.fsdp > 1 or layout.tp > 1 or shard_one):
+            # the Trainer accumulates under CUDA graphs into gradients it allocated first (one GPU, DDP); FSDP2's
+            # sharded gradients and tensor parallelism's are untried under them (notebook, 2026-12-01)
+            raise ConfigError(f"--compile-mode {compile_mode} records CUDA graphs, with --micro-batches "
+                              f"{micro_batches} run on one GPU or DDP only (parallel.fsdp={layout.fsdp}, "
+                              f"parallel.tp={layout.tp}{', --shard-one' if shard_one else ''}); allowed here: "
                               f"{', '.join(m for m in COMPILE_MODES if not records_graphs(m))}")
         if dtype not in ("bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype {dtype!r}; allowed: bf16, fp16, fp32")

@@ -76,6 +76,14 @@ def _eager_outside_autograd(block: nn.Module) -> None:
     block._compiled_call_impl = call
 
 
+def records_graphs(compile_mode: str | None, options: dict | None = None) -> bool:
+    """Whether torch.compile's ``compile_mode`` (with inductor ``options`` over it) records CUDA graphs
+    (inductor's ``triton.cudagraphs``); None (eager) records none."""
+    if compile_mode is None:
+        return False
+    return bool({**torch._inductor.list_mode_options(compile_mode), **(options or {})}.get("triton.cudagraphs"))
+
+
 def _gradients_allocated(optimizer: torch.optim.Optimizer) -> None:
     """Each parameter's gradient allocated (zeros) where it has none, so that every micro-batch's backward adds into
     it in place. Otherwise autograd keeps the first micro-batch's gradient as ``.grad`` without a copy; under CUDA
@@ -147,7 +155,7 @@ def optimize_model(model: nn.Module, compile_mode: str | None = "default", dtype
         settings.tf32 = True
     if compile_mode is not None and compile_scope == "blocks":
         kwargs = _compile_kwargs(compile_mode, compile_options)
-        graphs = {**torch._inductor.list_mode_options(compile_mode), **(compile_options or {})}.get("triton.cudagraphs")
+        graphs = records_graphs(compile_mode, compile_options)
         for block in model.blocks:
             block.compile(**kwargs)
             if graphs:
