@@ -226,6 +226,7 @@ class Distributed(StudyDef):
         self.note(f"decode: {dec.model} batch {B} {provider} x{ws}, a torchrun job")
         return [{**base, **r} for r in decode_job(B, ws, allreduce, run, params_file, tmp)]
 
+
 def _past_budget(run: DistributedRun, start: float, guess: float, what: str, whose: str) -> str | None:
     """Why ``what``, guessed at ``guess`` seconds (``whose`` time), would end past G3-T2.budget_s from ``start``;
     None: it fits."""
