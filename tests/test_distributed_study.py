@@ -6,6 +6,7 @@ size the machine lacks and a layout a preset cannot run rows that say so; bad se
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -161,7 +162,7 @@ def test_a_world_size_the_machine_lacks_is_a_row_that_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     ran = []
-    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a: ran.append((layout, ws)) or [])
+    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a, **k: ran.append((layout, ws)) or [])
     monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: pytest.fail("no all-reduce on one GPU"))
     rows = distributed.STUDY.bind("cuda").extra_rows(params, params.targets["cpu"])
     assert ran == [("single", 1)]
@@ -220,17 +221,67 @@ def test_the_compile_mode_reaches_every_training_job_and_its_rows_say_so(monkeyp
         run, launched = _params({"compile_mode": mode}).g3_t2.cpu, []
         monkeypatch.setattr(distributed, "launch", lambda module, args, *a: launched.append(args) or job)
         for layout, ws in (("single", 1), ("ddp", 2)):
-            rows = distributed.run_job("m", layout, ws, run, tmp_path / "p.yaml", tmp_path)
+            rows = distributed.run_job("m", layout, ws, run, tmp_path / "p.yaml", tmp_path, mode=run.mode_of(layout))
             assert rows[0]["reason"].endswith(f"; blocks compiled ({mode})" if mode else "; eager")
         flags = [args[args.index("--compile-mode") + 1] if "--compile-mode" in args else None for args in launched]
         assert flags == [mode, mode]
 
 
+def test_a_layout_of_its_own_compile_mode_is_read_against_one_rank_in_that_mode(monkeypatch):
+    """layout_compile_modes: DDP's jobs under CUDA graphs, TP's and FSDP2's in compile_mode; a one-rank baseline in
+    each mode a layout it serves uses, and the report reads each layout against the one of its own mode (a faster
+    baseline under graphs must not flatter DDP, nor a slower one sink TP)."""
+    from adaattn_experiments.distributed import study as distributed
+    from adaattn_experiments.distributed.report import render
+
+    params = _params({"layouts": ["ddp", "fsdp", "tp"], "compile_mode": "default",
+                      "layout_compile_modes": {"ddp": "reduce-overhead"}})
+    run = params.g3_t2.cpu
+    assert distributed.one_rank_jobs(run) == [("single", "reduce-overhead"), ("single", "default"),
+                                              ("fsdp", "default")]
+    ran = []
+    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a, mode: ran.append((layout, ws, mode)) or
+                        [{"metric": "tokens_per_s", "value": 1.0, "status": "ok"}])
+    monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: [])
+    rows = distributed.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    assert ran == [("single", 1, "reduce-overhead"), ("single", 1, "default"), ("fsdp", 1, "default"),
+                   ("ddp", 2, "reduce-overhead"), ("fsdp", 2, "default"), ("tp", 2, "default")]
+    cases = [(r["provider"], r["compile_mode"], r["case_id"]) for r in rows]
+    assert cases[:2] == [("single", "reduce-overhead", "distributed/dense_small/x1/reduce-overhead/r0"),
+                         ("single", "default", "distributed/dense_small/x1/default/r0")]
+    assert len({(p, c) for p, _, c in cases}) == len(cases)  # one MLflow run a job
+    assert distributed.one_rank_jobs(_params({"layouts": ["fsdp"]}).g3_t2.cpu) == [("single", None), ("fsdp", None)]
+    assert distributed.one_rank_jobs(run, ["ddp", "fsdp"]) == [("single", "reduce-overhead"), ("fsdp", "default")]
+    ran.clear()  # HYDRA runs no tensor parallelism: no one-rank job in TP's mode for it
+    distributed.STUDY.bind("cpu").extra_rows(params.model_copy(update={"g3_t2": params.g3_t2.model_copy(update={
+        "cpu": run.model_copy(update={"models": ["hydra_small"]})})}), params.targets["cpu"])
+    assert ran == [("single", 1, "reduce-overhead"), ("fsdp", 1, "default"), ("ddp", 2, "reduce-overhead"),
+                   ("fsdp", 2, "default")]
+
+    report = []
+    for layout, ws, mode, per_rank in (("single", 1, "reduce-overhead", 200.0), ("single", 1, "default", 100.0),
+                                       ("ddp", 2, "reduce-overhead", 190.0), ("tp", 2, "default", 90.0)):
+        case = {"case_id": f"distributed/m/x{ws}/{mode}/r0", "provider": layout, "world_size": ws, "model": "m",
+                "batch": 4 * ws, "mode": "train", "status": "ok", "target": "h100x2", "hardware": "gpu",
+                "cuda": "13.0", "compile_mode": mode}
+        report += [{**case, "metric": "tokens_per_s", "value": per_rank * ws},
+                   {**case, "metric": "tokens_per_s_per_rank", "value": per_rank}]
+    (section,) = render(pd.DataFrame(report), Path("."))
+    (ddp,) = [v for v in section.verdicts if v.claim.startswith("DDP x2")]
+    assert ddp.measured.startswith("0.95") and "compile mode reduce-overhead" in ddp.reason  # 190 / 200, not 1.9
+    assert re.search(r"\| tp +\| +2 \| default +\| single x1 .*\| 0\.9 ", section.markdown)  # 90 / 100
+
+
 @pytest.mark.parametrize("update, match", [
     ({"compile_mode": "fast"}, "G3-T2.cpu.compile_mode"),
-    ({"compile_mode": "reduce-overhead", "micro_batches": 2},
-     "compile_mode=reduce-overhead with micro_batches=2: .*pytorch/pytorch#169545.*allowed with micro-batches: "
-     "default, max-autotune-no-cudagraphs"),
+    ({"compile_mode": "reduce-overhead", "micro_batches": 2, "layouts": ["ddp", "fsdp"]},
+     "compile_mode=reduce-overhead records CUDA graphs, which with micro_batches=2 run under ddp only, not fsdp; "
+     "allowed for fsdp: default, max-autotune-no-cudagraphs"),
+    ({"layout_compile_modes": {"tp": "max-autotune"}, "micro_batches": 2, "layouts": ["ddp", "tp"]},
+     "layout_compile_modes.tp=max-autotune records CUDA graphs, .* not tp; allowed for tp: default, "),
+    ({"layout_compile_modes": {"fsdp": "default"}}, r"layout_compile_modes names \['fsdp'\], not in layouts; "
+     r"allowed: \['ddp'\]"),
+    ({"layout_compile_modes": {"ddp": "fast"}}, "G3-T2.cpu.layout_compile_modes.ddp"),
     ({"world_sizes": [2]}, "world_sizes must hold 1"),
     ({"layouts": ["ddp", "ddp"]}, "layouts must not repeat"),
     ({"layouts": ["pp"]}, "layouts"),
@@ -251,7 +302,7 @@ def test_a_layout_a_preset_cannot_run_is_a_row_that_says_so(monkeypatch):
 
     params = _params({"models": ["hydra_small"], "layouts": ["tp"], "seq_len": 16})
     ran = []
-    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a: ran.append((layout, ws)) or [])
+    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a, **k: ran.append((layout, ws)) or [])
     monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: [])
     rows = distributed.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
     assert ran == [("single", 1)]  # no job started for the layout the check refused
@@ -268,7 +319,7 @@ def test_later_rounds_run_only_while_the_budget_lasts(monkeypatch):
     params = _params({"layouts": ["ddp", "fsdp"], "repeats": 2, "budget_s": 55, "trace_steps": 1})
     clock, ran = [0.0], []
 
-    def job(model, layout, ws, run, params_file, tmp, trace):
+    def job(model, layout, ws, run, params_file, tmp, trace, mode=None):
         ran.append((layout, ws, trace))
         clock[0] += 10  # every job takes 10 s
         return [{"metric": "tokens_per_s", "value": 1.0, "status": "ok"}]
@@ -299,7 +350,7 @@ def test_first_round_jobs_decode_and_all_reduce_start_only_while_the_budget_last
     clock, ran = [0.0], []
 
     def job(name):
-        def run(*args):
+        def run(*args, **kwargs):
             ran.append(name if name != "train" else args[1:3])
             clock[0] += 10  # every job takes 10 s
             return [{"metric": "tokens_per_s", "value": 1.0, "status": "ok"}]
@@ -330,7 +381,7 @@ def test_fsdp_over_tp_pairs_needs_four_ranks(monkeypatch):
 
     params = _params({"layouts": ["fsdp_tp"], "world_sizes": [1, 2, 4]})
     ran = []
-    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a: ran.append((layout, ws)) or [])
+    monkeypatch.setattr(distributed, "run_job", lambda model, layout, ws, *a, **k: ran.append((layout, ws)) or [])
     monkeypatch.setattr(distributed, "allreduce_rows", lambda *a: [])
     rows = distributed.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
     assert ran == [("single", 1), ("fsdp", 1), ("fsdp_tp", 4)]  # fsdp x1: FSDP2 x TP's baseline

@@ -12,6 +12,12 @@ from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, fmt, 
 from adaattn_experiments.distributed.study import BASELINE, SINGLE
 
 
+def with_modes(jobs: pd.DataFrame) -> pd.DataFrame:
+    """The training rows with their compile mode as text ("" in files measured before the study wrote it)."""
+    mode = jobs["compile_mode"] if "compile_mode" in jobs else pd.Series("", index=jobs.index)
+    return jobs.assign(compile_mode=mode.fillna("").astype(str))
+
+
 def _median(frame: pd.DataFrame, metric: str):
     v = frame[frame["metric"] == metric]["value"].dropna()
     return float(v.median()) if len(v) else None
@@ -25,11 +31,11 @@ def projection(jobs: pd.DataFrame, cpus: set[str], ranks: tuple[int, ...] = (4, 
     exposed); the efficiency is t1 over it. Where the target measured that world size too, its measured efficiency
     stands beside the projection: how far the model holds."""
     rows = []
-    for target, frame in jobs.groupby("target", sort=False):
+    for target, frame in with_modes(jobs).groupby("target", sort=False):
         if target in cpus:  # gloo processes sharing a CPU's cores: nothing to project a GPU's scaling from
             continue
         ok = frame[frame["status"] == "ok"]
-        for model, runs in ok.groupby("model", sort=False):
+        for (model, mode), runs in ok.groupby(["model", "compile_mode"], sort=False):
             for layout in ("ddp", "fsdp"):
                 one = runs[(runs["provider"] == BASELINE[layout]) & (runs["world_size"] == 1)]
                 t1, per_rank = _median(one, "step_ms"), _median(one, "tokens_per_s_per_rank")
@@ -42,7 +48,8 @@ def projection(jobs: pd.DataFrame, cpus: set[str], ranks: tuple[int, ...] = (4, 
                                   "tokens_per_s_per_rank")
                     grow = 2 * (n - 1) / n - 1
                     low, high = t1 / (t2 + grow * c2), t1 / (t2 + grow * e2)
-                    rows.append({"target": target, "model": model, "layout": layout, "ranks": n,
+                    rows.append({"target": target, "model": model, "layout": layout, "compile mode": mode or "-",
+                                 "ranks": n,
                                  "from": f"t1 {fmt(t1)} ms, t2 {fmt(t2)} ms, comm {fmt(c2)} ms ({fmt(e2)} exposed)",
                                  "scaling efficiency, projected": f"{low:.2f}-{high:.2f}",
                                  "tokens/s, projected": f"{fmt(n * per_rank * low)}-{fmt(n * per_rank * high)}",
@@ -51,7 +58,7 @@ def projection(jobs: pd.DataFrame, cpus: set[str], ranks: tuple[int, ...] = (4, 
 
 
 def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
-    jobs = df[df["mode"] == "train"]
+    jobs = with_modes(df[df["mode"] == "train"])
     jobs = jobs.assign(round=jobs["case_id"].str.extract(r"/r(\d+)$")[0])
     reduce = df[(df["mode"] == "all_reduce") & (df["status"] == "ok")]
     cpus = cpu_targets(df)
@@ -65,19 +72,20 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         hw = f"{int(count)}x {hw}" if not cpu and pd.notna(count) and count > 1 else hw
         for model, runs in frame.groupby("model", sort=False):
             ok = runs[runs["status"] == "ok"]
-            ones = {b: ok[(ok["provider"] == b) & (ok["world_size"] == 1) & (ok["metric"] == "tokens_per_s")]
-                    .set_index("round")["value"] for b in set(BASELINE.values())}
-            for (layout, ws), job in runs.groupby(["provider", "world_size"], sort=False):
+            one = ok[(ok["world_size"] == 1) & (ok["metric"] == "tokens_per_s")]
+            ones = {key: frame.set_index("round")["value"] for key, frame in one.groupby(["provider", "compile_mode"])}
+            for (layout, ws, mode), job in runs.groupby(["provider", "world_size", "compile_mode"], sort=False):
                 good = job[job["status"] == "ok"]
                 per_round = good[good["metric"] == "tokens_per_s_per_rank"].set_index("round")["value"]
-                # each round's jobs against the same round's one-rank job of the same precision regime
-                single = ones[BASELINE.get(layout, SINGLE)]
+                # each round's jobs against the same round's one-rank job of the same precision regime and mode
+                single = ones.get((BASELINE.get(layout, SINGLE), mode), pd.Series(dtype=float))
                 effs = [per_round[r] / single[r] for r in per_round.index if r in single.index and single[r]]
                 eff = median_interval(effs) if effs and ws > 1 else None
                 peak = _median(good, "rank_peak_mem_mb")
                 share = _median(good, "exposed_comm_share")
                 bad = job[job["status"] != "ok"]
                 table.append({"target": target, "model": model, "layout": layout, "ranks": int(ws),
+                              "compile mode": mode or "-",
                               "read against": "-" if ws == 1 else f"{BASELINE.get(layout, SINGLE)} x1",
                               "batch": fmt(job["batch"].iloc[0]),
                               "micro-batches": fmt(_median(good, "micro_batches")), "rounds": len(per_round),
@@ -105,8 +113,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                                         f"round{'s' if len(effs) != 1 else ''}", hw, verdict,
                                         "gloo processes sharing a CPU's cores: not the GPUs' scaling" if cpu else
                                         f"tokens/s a rank at this world size over the one-rank {BASELINE[layout]} "
-                                        "job's in the same round (the same precision regime), the batch a rank "
-                                        "fixed"))
+                                        "job's in the same round (the same precision regime"
+                                        f"{', compile mode ' + mode if mode else ''}), the batch a rank fixed"))
         if frame["hardware"].iloc[0] in guide_hw:
             continue
         guide_hw.add(frame["hardware"].iloc[0])

@@ -11,12 +11,12 @@ from adaattn_pipeline.config import Section as _Section
 
 DISTRIBUTED_LAYOUTS = ("ddp", "fsdp", "tp", "fsdp_tp")  # fsdp_tp: FSDP2 over tensor-parallel pairs (a 2-D mesh)
 GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the compile modes that record CUDA graphs (a test ties them)
-
-
-# why CUDA graphs and micro-batches do not mix (the training job says the same): the first micro-batch's gradient
-# is the backward graph's output itself, which the next micro-batch's replay overwrites before adding to it
-GRAPH_ACCUMULATION = ("a compiled backward's CUDA graph outputs the first micro-batch's gradients, which the next "
-                      "replay overwrites (pytorch/pytorch#169545)")
+# models.train.COMPILE_MODES, spelled out so that params validate without importing torch (a test ties them)
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# the layouts whose jobs may record CUDA graphs with micro-batches (the training job says the same): the Trainer
+# accumulates into gradients it allocated first, on one GPU and under DDP; FSDP2's sharded gradients ran slower or
+# not at all under them and tensor parallelism outlasted its timeout (notebook, 2026-12-01)
+GRAPH_MICRO_LAYOUTS = ("ddp",)
 
 
 class DistributedDecode(_Section):
@@ -60,9 +60,11 @@ class DistributedRun(_Section):
     steps: PositiveInt
     warmup: NonNegativeInt = 2
     dtype: Literal["bf16", "fp32"] = "bf16"
-    # every training job's blocks compiled in this mode (the one-rank baselines too); None: eager. The modes are
-    # models.train.COMPILE_MODES, spelled out so that params validate without importing torch (a test ties them)
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    # every training job's blocks compiled in this mode (the one-rank baselines too); None: eager
+    compile_mode: CompileMode | None = None
+    # a layout whose jobs compile in another mode than compile_mode; its one-rank baseline runs in that mode too, so
+    # that the layout is read against one rank of the same mode (like with like)
+    layout_compile_modes: dict[Literal[DISTRIBUTED_LAYOUTS], CompileMode] = {}  # type: ignore[valid-type]
     allreduce_mib: Annotated[list[PositiveFloat], Field(min_length=1)]
     repeats: PositiveInt = 1  # every job this many times, the layouts' jobs interleaved in each round
     trace_steps: NonNegativeInt = 0  # GPU: steps after the timed ones, traced: the exposed communication
@@ -81,10 +83,20 @@ class DistributedRun(_Section):
                              f"{self.world_sizes}")
         if self.batch_per_rank % self.micro_batches:
             raise ValueError(f"micro_batches={self.micro_batches} must divide batch_per_rank={self.batch_per_rank}")
-        if self.compile_mode in GRAPH_MODES and self.micro_batches > 1:
-            raise ValueError(f"compile_mode={self.compile_mode} with micro_batches={self.micro_batches}: "
-                             f"{GRAPH_ACCUMULATION}; allowed with micro-batches: default, max-autotune-no-cudagraphs")
+        if extra := sorted(set(self.layout_compile_modes) - set(self.layouts)):
+            raise ValueError(f"layout_compile_modes names {extra}, not in layouts; allowed: {self.layouts}")
+        for layout in self.layouts:
+            mode = self.mode_of(layout)
+            if mode in GRAPH_MODES and self.micro_batches > 1 and layout not in GRAPH_MICRO_LAYOUTS:
+                key = f"layout_compile_modes.{layout}" if layout in self.layout_compile_modes else "compile_mode"
+                raise ValueError(f"{key}={mode} records CUDA graphs, which with micro_batches={self.micro_batches} "
+                                 f"run under {', '.join(GRAPH_MICRO_LAYOUTS)} only, not {layout}; allowed for "
+                                 f"{layout}: default, max-autotune-no-cudagraphs")
         return self
+
+    def mode_of(self, layout: str) -> str | None:
+        """The compile mode of a layout's jobs (a one-rank baseline's is given by the layout it serves)."""
+        return self.layout_compile_modes.get(layout, self.compile_mode)
 
 
 class G3T2Section(ByProfile):

@@ -7,10 +7,10 @@ tensor-parallel (``adaattn.distributed.decode``); then the all-reduce bus bandwi
 Weak scaling: the batch per rank is fixed, so a layout of N ranks trains on N times the tokens a step. Per job:
 the whole job's tokens/s (every rank's tokens over the slowest rank's seconds), per rank, the fullest rank's peak
 memory, the step time and the last step's loss. The jobs run one after another: tokens/s compare across jobs of
-one run, on one machine. A world size the machine cannot hold is a row that says so. At world size 1 two jobs:
-the plain one (fp32 weights under bf16 autocast: DDP's and TP's regime) and, where an FSDP2 layout is measured,
-FSDP2 on one rank (its bf16 compute parameters over fp32 shards): each layout is read against the one of its
-precision regime (``BASELINE``).
+one run, on one machine. A world size the machine cannot hold is a row that says so. At world size 1 the
+baselines: the plain job (fp32 weights under bf16 autocast: DDP's and TP's regime) and, where an FSDP2 layout is
+measured, FSDP2 on one rank (its bf16 compute parameters over fp32 shards), each in the compile mode of the layouts
+it serves: each layout is read against the one of its precision regime (``BASELINE``) and its compile mode.
 """
 
 from __future__ import annotations
@@ -47,9 +47,19 @@ SHARDED_ONE = "fsdp"  # at world size 1, FSDP2 on one rank: the baseline of FSDP
 BASELINE = {"ddp": SINGLE, "tp": SINGLE, "fsdp": SHARDED_ONE, "fsdp_tp": SHARDED_ONE}
 
 
-def one_rank_jobs(layouts: list[str]) -> list[str]:
-    """The jobs at world size 1: the plain one always, FSDP2's one where a layout is read against it."""
-    return [SINGLE, *([SHARDED_ONE] if any(BASELINE[layout] == SHARDED_ONE for layout in layouts) else [])]
+def one_rank_jobs(run: DistributedRun, layouts: list[str] | None = None) -> list[tuple[str, str | None]]:
+    """The jobs at world size 1, each with its compile mode: the baseline of each of ``layouts`` (those a preset can
+    run; default: the run's) in that layout's mode (the plain one always: in ``compile_mode`` where no layout reads
+    it), the plain ones first."""
+    jobs = [(BASELINE[layout], run.mode_of(layout)) for layout in (run.layouts if layouts is None else layouts)]
+    if all(job != SINGLE for job, _ in jobs):
+        jobs.insert(0, (SINGLE, run.compile_mode))
+    return sorted(dict.fromkeys(jobs), key=lambda job: job[0] != SINGLE)  # stable: the layouts' order otherwise
+
+
+def mode_name(mode: str | None) -> str:
+    """A compile mode as the rows spell it (None: eager)."""
+    return mode or "eager"
 
 
 def layout_of(layout: str, world_size: int) -> Layout:
@@ -108,7 +118,7 @@ def torchrun(world_size: int, module: str, args: list[str]) -> list[str]:
 class Distributed(StudyDef):
     name = "distributed"
     table_ids = ("G3-T2", "G3-T3")
-    config_columns = ["model", "world_size", "batch", "seq_len"]
+    config_columns = ["model", "world_size", "batch", "seq_len", "compile_mode"]
     sections = ("G3-T2",)
     extra_params = ("parallel",)
 
@@ -162,11 +172,16 @@ class Distributed(StudyDef):
         round's job must still fit in ``run.budget_s`` from ``start`` (a first-round job: its model's longest)."""
         rows = []
         for model in run.models:
+            # a baseline only for the layouts this preset runs (HYDRA's has no tensor-parallel one to serve)
+            served = [layout for layout in run.layouts
+                      if any(unrunnable(params, model, layout, w) is None for w in run.world_sizes if w > 1)]
             for ws in run.world_sizes:
-                for layout in one_rank_jobs(run.layouts) if ws == 1 else run.layouts:
+                jobs = one_rank_jobs(run, served) if ws == 1 else [(lay, run.mode_of(lay)) for lay in run.layouts]
+                for layout, mode in jobs:
                     base = {"table_id": "G3-T2", "kernel": "", "model": model, "world_size": ws,
                             "batch": run.batch_per_rank * ws, "seq_len": run.seq_len, "mode": "train",
-                            "case_id": f"distributed/{model}/x{ws}/r{rnd}", "provider": layout}
+                            "compile_mode": mode_name(mode),
+                            "case_id": f"distributed/{model}/x{ws}/{mode_name(mode)}/r{rnd}", "provider": layout}
                     why = (f"world size {ws} needs {ws} GPUs; this machine has {held}"
                            if held is not None and ws > held else unrunnable(params, model, layout, ws))
                     if why is not None:
@@ -174,7 +189,7 @@ class Distributed(StudyDef):
                             rows.append({**base, "metric": "tokens_per_s", "value": None, "unit": "tokens/s",
                                          "status": "unavailable", "reason": why})
                         continue
-                    key = (model, layout, ws)
+                    key = (model, layout, ws, mode)
                     # a later round's job guessed at its own first-round time; a first-round job at its model's
                     # longest so far (compiled jobs take minutes: the run must end inside the device call with
                     # its file written, not be killed with everything it measured)
@@ -186,11 +201,12 @@ class Distributed(StudyDef):
                         rows.append({**base, "metric": "tokens_per_s", "value": None, "unit": "tokens/s",
                                      "status": "unavailable", "reason": over})
                         continue
-                    self.note(f"round {rnd + 1}/{run.repeats}: {model} {layout} x{ws}, a torchrun job")
+                    self.note(f"round {rnd + 1}/{run.repeats}: {model} {layout} x{ws} ({mode_name(mode)}), a "
+                              "torchrun job")
                     t0 = time.monotonic()
                     # the trace in the first round: after its timed steps, so it costs them nothing
                     rows += [{**base, **r} for r in run_job(model, layout, ws, run, params_file, tmp,
-                                                            run.trace_steps if rnd == 0 else 0)]
+                                                            run.trace_steps if rnd == 0 else 0, mode=mode)]
                     took.setdefault(key, time.monotonic() - t0)
         return rows
 
@@ -270,20 +286,21 @@ def launch(module: str, args: list[str], ws: int, run: DistributedRun, out: Path
 
 
 def run_job(model: str, layout: str, ws: int, run: DistributedRun, params_file: Path, tmp: Path,
-            trace_steps: int = 0) -> list[dict]:
+            trace_steps: int = 0, mode: str | None = None) -> list[dict]:
+    """A training job's rows, its blocks compiled in ``mode`` (None: eager)."""
     args = ["--model", model, "--batch", str(run.batch_per_rank * ws), "--micro-batches", str(run.micro_batches),
             "--seq-len", str(run.seq_len),
             "--steps", str(run.steps), "--warmup", str(run.warmup), "--dtype", run.dtype,
             "--params", str(params_file), "--trace-steps", str(trace_steps),
             *(["--shard-one"] if shards_one(layout, ws) else []),
-            *(["--compile-mode", run.compile_mode] if run.compile_mode else [])]
-    job = launch(TRAIN, args, ws, run, tmp / f"{model}-{layout}-{ws}.json", layout)
+            *(["--compile-mode", mode] if mode else [])]
+    job = launch(TRAIN, args, ws, run, tmp / f"{model}-{layout}-{ws}-{mode_name(mode)}.json", layout)
     if isinstance(job, str):
         return [{"metric": "tokens_per_s", "value": None, "unit": "tokens/s", "status": "error", "reason": job}]
     seconds = max(r["seconds"] for r in job["ranks"])
     ok = {"status": "ok", "reason": ""}
     parts = (f"; each rank's batch in {run.micro_batches} micro-batches a step" if run.micro_batches > 1 else "") + \
-        (f"; blocks compiled ({run.compile_mode})" if run.compile_mode else "; eager")
+        (f"; blocks compiled ({mode})" if mode else "; eager")
     return [{**ok, "metric": "tokens_per_s", "value": job["tokens_per_s"], "unit": "tokens/s",
              "reason": "every rank's tokens over the slowest rank's seconds" + parts},
             {**ok, "metric": "tokens_per_s_per_rank", "value": job["tokens_per_s_per_rank"], "unit": "tokens/s"},
