@@ -347,3 +347,92 @@ def test_ltm_rows_that_fail_are_a_row_that_says_why_and_keep_the_rest(monkeypatc
     ltm = df[df.phase == "ltm"]
     assert len(ltm) == 1 and ltm.status.iloc[0] == "error" and "cudagraphs went wrong" in ltm.reason.iloc[0]
     assert (df[(df.phase == "decode") & (df.metric == "side_by_side_ms")].status == "ok").all()
+
+
+FIELD = {"model": "field_tiny", "prompt_len": 6, "new_tokens": 5}
+
+
+def _field_params(update=None, published=None):
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["models"]["field_tiny"] = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "vocab_size": 64,
+                                   "mlp": "gelu", "norm": "layernorm", "tie_embeddings": True, "max_seq_len": 64}
+    raw["models"]["dense_small"].update({"dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 64, "mlp": "gelu",
+                                         "norm": "layernorm"})
+    raw["G3-T3"]["cpu"] = {**TOY, "batches": [1], "configs": ["flash"], "field": {**FIELD, **(update or {})}}
+    if published is not None:
+        raw["G3-T3"]["field_published"] = published
+    return validate(raw)
+
+
+def test_the_field_model_decodes_through_the_readme_path(monkeypatch):
+    """Issue 66 like for like: the field's model at batch 1, generate's time a token with the compiled config's
+    step (GraphedStep: fullgraph, no CUDA graphs of inductor's), the bytes a step reads on average, a trace row
+    that says why not on a CPU; beside the published figures of a GPU of the same name, quoted."""
+    from adaattn.models.generate import setup_kv_cache
+    from adaattn.models.transformer import build_model
+    from adaattn_experiments.inference.report import field_table
+    from adaattn_experiments.inference.schema import FieldPublished
+    from adaattn_experiments.inference.study import STUDY, cache_bytes, weight_bytes
+
+    compile_, modes = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **k: modes.append((mode, k)) or
+                        compile_(fn, backend="eager"))
+    params = _field_params()
+    df = pd.DataFrame(STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
+    field = df[df.phase == "field"]
+    assert set(field.provider) == {"compiled"} and set(field.model) == {"field_tiny"}
+    at = field.set_index("metric")
+    assert at.loc["generate_ms_per_token", "status"] == "ok" and at.loc["generate_ms_per_token", "value"] > 0
+    assert ("default", {"fullgraph": True}) in modes  # the README's step, GraphedStep's compile
+    model = build_model(params.models["field_tiny"])
+    P, N = FIELD["prompt_len"], FIELD["new_tokens"]
+    setup_kv_cache(model, 1, P + N)
+    # the tied head read once, and the cache's filled positions over the steps, P + 1 .. P + N - 1: their mean
+    assert at.loc["decode_bytes_needed", "value"] == pytest.approx(
+        weight_bytes(model) + cache_bytes(model) * (P + N / 2) / (P + N))
+    assert at.loc["kernels_per_step", "status"] == "unavailable"
+    published = FieldPublished(source="a RESULTS.md", model="field_tiny",
+                               step_us={"H200": {"cuda_graphs_pdl": 800.0}})
+    ms = at.loc["generate_ms_per_token", "value"]
+    cpu = field_table(df.assign(target="cpu", hardware="AMD EPYC"), pd.Series({"cpu": 40.0}), published)
+    assert "| field_tiny" in cpu and "none published for" in cpu and "Published: a RESULTS.md" in cpu
+    gpu = field_table(df.assign(target="h200", hardware="NVIDIA H200"), pd.Series({"h200": 4000.0}), published)
+    assert f"cuda_graphs_pdl 800 ({800 / (ms * 1e3):.3f})" in gpu
+    other = FieldPublished(source="s", model="another_model", step_us={"H200": {"x": 1.0}})
+    assert "none published for NVIDIA H200" in field_table(df.assign(target="h200", hardware="NVIDIA H200"),
+                                                            pd.Series({"h200": 4000.0}), other)
+
+
+def test_the_results_hash_covers_every_model_the_sweep_runs():
+    from adaattn_experiments.inference.study import STUDY
+
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["G3-T3"]["cpu"] = {**TOY, "quality": {**raw["G3-T3"]["cpu"]["quality"], "model": "dense_100m"},
+                           "field": {**FIELD, "model": "llama_1b"}}
+    keys = STUDY.param_keys(raw, "cpu")
+    assert {"models.dense_small", "models.dense_100m", "models.llama_1b"} <= set(keys)
+
+
+@pytest.mark.parametrize("update, published, message", [
+    ({"model": "nope"}, None, "G3-T3.cpu.field.models: 'nope' is not a preset of models"),
+    ({"prompt_len": 60, "new_tokens": 8}, None, "G3-T3.cpu.field.seq_len=68 is over models.field_tiny.max_seq_len"),
+    ({"new_tokens": 3}, None, "G3-T3.cpu.field.new_tokens"),
+    (None, {"source": "s", "model": "nope", "step_us": {}}, "G3-T3.field_published.model 'nope' is not a preset"),
+])
+def test_bad_field_keys_are_named(update, published, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _field_params(update, published)
+
+
+def test_field_rows_that_fail_are_a_row_that_says_why_and_keep_the_rest(monkeypatch):
+    from adaattn_experiments.inference import study as inference
+
+    def fail(self, params, sweep):
+        raise RuntimeError("out of memory on the field's model")
+
+    monkeypatch.setattr(inference.Inference, "_field_rows", fail)
+    params = _field_params()
+    df = pd.DataFrame(inference.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
+    field = df[df.phase == "field"]
+    assert len(field) == 1 and field.status.iloc[0] != "ok" and "out of memory" in field.reason.iloc[0]
+    assert (df[(df.phase == "decode") & (df.metric == "side_by_side_ms")].status == "ok").all()

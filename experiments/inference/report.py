@@ -9,7 +9,7 @@ import pandas as pd
 from adaattn_pipeline.report.common import (Section, Verdict, cpu_targets, filed, fmt, guide_figures, interval_text,
                                             judge, knobs, md_table, median_interval, prose)
 from adaattn_experiments.common.paired import paired_frame, ratio_text
-from adaattn_experiments.inference.schema import DecodeGoals
+from adaattn_experiments.inference.schema import DecodeGoals, FieldPublished
 
 GB = 2**20 / 1e9  # MiB -> GB
 # the guide's rows and the config that measures each; its latencies' ratios are what another machine can check
@@ -49,7 +49,8 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
         verdicts += decode_goal_verdicts(frame, runs[runs["target"] == target], copy.get(target), target in cpus,
                                          ratios[ratios["target"] == target])
     md = prose(__file__, "g3_t3", table=md_table(pd.DataFrame(table)) if table else "no results",
-               quality=quality_table(ok), ltm=ltm_table(runs))
+               quality=quality_table(ok), ltm=ltm_table(runs),
+               field=field_table(runs, copy, filed("g3_t3", "field_published", None)))
     return [Section("G3-T3", "Inference Performance (prefill, decode, KV cache, INT8, CUDA graphs)", md, verdicts)]
 
 
@@ -70,6 +71,34 @@ def quality_table(ok: pd.DataFrame) -> str:
                              "change": "-" if variant == "full" else f"{change:+.5f} ({change / loss['full']:+.3%})",
                              "note": frame.set_index("provider")["reason"][variant]})
     return md_table(pd.DataFrame(rows)) if rows else "no quality run (G3-T3.<profile>.quality)"
+
+
+def field_table(runs: pd.DataFrame, copy: pd.Series, published: FieldPublished | None) -> str:
+    """Our decode on the field's model (``G3-T3.<profile>.field``) beside the step times the field published for
+    the same model on the same GPU (``G3-T3.field_published``, quoted): ours a token, its bytes over that time
+    against the run's copy bandwidth, kernels a step, and the published decoders' times over ours."""
+    field = runs[runs["phase"] == "field"]
+    rows = []
+    for (target, model), frame in field.groupby(["target", "model"], sort=False):
+        at = frame[frame["status"] == "ok"].set_index("metric")["value"]
+        ms, need = at.get("generate_ms_per_token"), at.get("decode_bytes_needed")
+        gbps = need / (ms / 1e3) / 1e9 if ms and need else None
+        hw = frame["hardware"].iloc[0]
+        theirs = {} if published is None or published.model != model else \
+            next((v for k, v in published.step_us.items() if k in hw), {})
+        bad = frame[frame["status"] != "ok"]
+        rows.append({"target": target, "model": model, "ours us / token": fmt(ms * 1e3 if ms else None),
+                     "GB / step": fmt(need / 1e9 if need else None), "GB/s": fmt(gbps),
+                     "of copy bandwidth": fmt(gbps / copy[target] if gbps and target in copy else None),
+                     "kernels / step": fmt(at.get("kernels_per_step")),
+                     "published us / step (theirs / ours)": ", ".join(
+                         f"{name} {us:g} ({us / (ms * 1e3):.3f})" if ms else f"{name} {us:g}"
+                         for name, us in theirs.items()) or f"none published for {hw}",
+                     "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
+    if not rows:
+        return "no field run (G3-T3.<profile>.field)"
+    source = f"\n\nPublished: {published.source} (their runs, quoted; not measured here)." if published else ""
+    return md_table(pd.DataFrame(rows)) + source
 
 
 def ltm_table(runs: pd.DataFrame) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from adaattn_pipeline.config import ByProfile, Rounds, check_preset
 from adaattn_pipeline.config import Section as _Section
@@ -34,6 +34,30 @@ class LTMDecode(_Section):
     new_tokens: Annotated[int, Field(ge=2)]  # a decode step at least: generate's first token is the prefill's
 
 
+class FieldDecode(_Section):
+    """Issue 66 like for like: our decode on the model the field's published decode benchmarks run. ``model`` (a
+    dense preset of that model's shape, random weights: a step's time does not depend on their values) at batch
+    1, the README's ``generate`` with the compiled step (the ``compiled`` config's: the fused decode step,
+    ``GraphedStep``) for ``new_tokens`` after a prompt of ``prompt_len``, as the field times its steps (the cache
+    growing over them); a CUDA trace of one step. The field's own figures are quoted in ``G3-T3.field_published``,
+    not measured here."""
+
+    model: str  # a preset of `models`: a dense decoder the fused step runs
+    prompt_len: PositiveInt
+    new_tokens: Annotated[int, Field(ge=4)]  # the timed steps, then two more for the trace
+
+
+class FieldPublished(_Section):
+    """The field's published step times for the model of ``G3-T3.<profile>.field``, quoted with their ``source``
+    (read by the report beside ours; outside the results' params hash): ``model`` the preset of that model's
+    shape, ``step_us`` a GPU's name as the results name it (a part of it, ``H200``) -> decoder -> microseconds a
+    step."""
+
+    source: str
+    model: str
+    step_us: dict[str, dict[str, PositiveFloat]]
+
+
 class InferenceSweep(_Section):
     """G3-T3 and issues 48 and 66's decode goals: a dense decoder's prefill and decode in each of ``configs`` at
     each of ``batches``, side by side per batch. Eager, the model's own layers (the guide's ladder): ``base``
@@ -57,6 +81,7 @@ class InferenceSweep(_Section):
     int4_group_size: Literal[32, 64, 128, 256] = 64  # INT4: input columns sharing a scale and an offset
     quality: QualityRun | None = None  # INT8 and INT4's validation-loss price on a trained preset (None: not run)
     ltm: LTMDecode | None = None  # an LTM preset's decode, eager and under CUDA graphs (None: not run)
+    field: FieldDecode | None = None  # our decode on the field's published model (None: not run)
     side_by_side: Rounds
     seed: NonNegativeInt = 0
 
@@ -90,6 +115,7 @@ class G3T3Section(ByProfile):
     cpu: InferenceSweep
     gpu: InferenceSweep
     decode_goals: DecodeGoals = DecodeGoals()
+    field_published: FieldPublished | None = None
 
 
 SECTIONS = {"G3-T3": G3T3Section}
@@ -110,6 +136,17 @@ def check(params) -> None:
                 check_preset(params, f"G3-T3.{profile}.quality", run.quality.model, run.quality.seq_len)
             if run.ltm is not None:
                 check_ltm(params, f"G3-T3.{profile}.ltm", run.ltm)
+            if run.field is not None:
+                where = f"G3-T3.{profile}.field"
+                check_preset(params, where, run.field.model, run.field.prompt_len + run.field.new_tokens)
+                try:
+                    check_decodable(params.models[run.field.model])
+                except ValueError as err:
+                    raise ValueError(f"{where}.model {run.field.model!r}: {err}") from None
+    published = params.g3_t3.field_published if params.g3_t3 else None
+    if published is not None and published.model not in params.models:
+        raise ValueError(f"G3-T3.field_published.model {published.model!r} is not a preset of models; allowed: "
+                         f"{', '.join(params.models)}")
 
 
 def check_ltm(params, where: str, run: LTMDecode) -> None:

@@ -29,7 +29,7 @@ from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
 from adaattn_experiments.common.fit import fit, val_loss
-from adaattn_experiments.inference.schema import InferenceSweep, LTMDecode, QualityRun
+from adaattn_experiments.inference.schema import FieldDecode, InferenceSweep, LTMDecode, QualityRun
 from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import build_model
 from adaattn.models.decode_graph import GraphedStep
@@ -112,7 +112,9 @@ class Inference(StudyDef):
     sections = ("G3-T3",)
 
     def presets(self, raw: dict, section: str, profile: str) -> list[str]:
-        return [raw[section][profile]["model"]]
+        """The sweep's model and those of its quality, LTM and field runs: each one's config is a param it reads."""
+        sweep = raw[section][profile]
+        return [sweep["model"], *(sweep[k]["model"] for k in ("quality", "ltm", "field") if sweep.get(k))]
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -151,21 +153,59 @@ class Inference(StudyDef):
                           "unit": "ms", "status": "unavailable", "reason": why} for phase in ("prefill", "decode")]
             torch._dynamo.reset()  # a fresh cache per batch: the compiled decode's graphs are per shape
         if sweep.ltm is not None:
-            try:
-                rows += self._ltm_rows(params, sweep)
-            except Exception as err:  # noqa: BLE001 - the LTM rows failing on a GPU keep the rows above: a row says why
-                from adaattn.errors import classify_error
-
-                status, why = classify_error(err)
-                torch._dynamo.reset()
-                rows.append({"table_id": "G3-T3", "case_id": f"G3-T3/{sweep.ltm.model}-b1-p{sweep.ltm.prompt_len}/ltm",
-                             "kernel": "", "model": sweep.ltm.model, "batch": 1, "seq_len": sweep.ltm.prompt_len,
-                             "phase": "ltm", "mode": "fwd", "provider": "ltm_compiled",
-                             "metric": "generate_ms_per_token", "value": None, "unit": "ms", "status": status,
-                             "reason": why})
+            rows += self._guarded(self._ltm_rows, params, sweep, sweep.ltm.model, sweep.ltm.prompt_len, "ltm",
+                                  "ltm_compiled", "generate_ms_per_token")
+        if sweep.field is not None:
+            rows += self._guarded(self._field_rows, params, sweep, sweep.field.model, sweep.field.prompt_len, "field",
+                                  "compiled", "generate_ms_per_token")
         if sweep.quality is not None:
             del models
             rows += self._quality_rows(params, sweep)
+        return rows
+
+    @staticmethod
+    def _guarded(rows_of, params: Params, sweep: InferenceSweep, model: str, P: int, phase: str, provider: str,
+                 metric: str) -> list[dict]:
+        """``rows_of(params, sweep)``, or where it fails (on a GPU: memory, a compile) one row that says why: the
+        rows measured before it are kept."""
+        try:
+            return rows_of(params, sweep)
+        except Exception as err:  # noqa: BLE001 - the failure's class and message are the row's reason
+            from adaattn.errors import classify_error
+
+            status, why = classify_error(err)
+            torch._dynamo.reset()
+            return [{"table_id": "G3-T3", "case_id": f"G3-T3/{model}-b1-p{P}/{phase}", "kernel": "", "model": model,
+                     "batch": 1, "seq_len": P, "phase": phase, "mode": "fwd", "provider": provider, "metric": metric,
+                     "value": None, "unit": "ms", "status": status, "reason": why}]
+
+    def _field_rows(self, params: Params, sweep: InferenceSweep) -> list[dict]:
+        """Issue 66 like for like: the field's model (random weights) at batch 1, the README's ``generate`` with the
+        compiled config's step a token, as the field times its steps (the cache growing from the prompt); the
+        bytes a step reads on average over them; a CUDA trace of one step."""
+        run: FieldDecode = sweep.field
+        cfg, P, N = params.models[run.model], run.prompt_len, run.new_tokens
+        self.note(f"field: {run.model} generating {N} tokens after {P}, the compiled step")
+        torch._dynamo.reset()
+        torch.manual_seed(sweep.seed)
+        model = build_model(cfg, device=self.device).to(DTYPES[sweep.dtype]).eval().requires_grad_(False)
+        g = torch.Generator().manual_seed(sweep.seed)
+        prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=g).to(self.device)
+        setup_kv_cache(model, 1, P + N, dtype=DTYPES[sweep.dtype])
+        base = {"table_id": "G3-T3", "case_id": f"G3-T3/{run.model}-b1-p{P}/field", "kernel": "", "model": run.model,
+                "batch": 1, "seq_len": P, "phase": "field", "mode": "fwd", "provider": "compiled"}
+        step = GraphedStep()
+        with torch.no_grad():
+            rows = [{**base, **self._generate_ms(model, None, prompt, N, step=step)}]
+            # the steps' mean: the cache holds P + 1 .. P + N - 1 positions over them
+            need = weight_bytes(model) + cache_bytes(model) * (P + N / 2) / (P + N)
+            rows.append({**base, "metric": "decode_bytes_needed", "value": need, "unit": "bytes", "status": "ok",
+                         "reason": "weights, and the KV cache's filled positions, their mean over the steps"})
+            reset_kv_cache(model)
+            generate(model, prompt, 2, step=step)  # the prompt in the cache; the trace's steps follow it
+            rows += [{**base, **row} for row in self._trace_rows(lambda: step(model))]
+        clear_kv_cache(model)
+        torch._dynamo.reset()
         return rows
 
     def _ltm_rows(self, params: Params, sweep: InferenceSweep) -> list[dict]:
