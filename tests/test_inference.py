@@ -352,13 +352,14 @@ def test_ltm_rows_that_fail_are_a_row_that_says_why_and_keep_the_rest(monkeypatc
 FIELD = {"model": "field_tiny", "prompt_len": 6, "new_tokens": 5}
 
 
-def _field_params(update=None, published=None):
+def _field_params(update=None, published=None, sweep=None):
     raw = copy.deepcopy(load_raw(PARAMS))
     raw["models"]["field_tiny"] = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "vocab_size": 64,
                                    "mlp": "gelu", "norm": "layernorm", "tie_embeddings": True, "max_seq_len": 64}
     raw["models"]["dense_small"].update({"dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 64, "mlp": "gelu",
                                          "norm": "layernorm"})
-    raw["G3-T3"]["cpu"] = {**TOY, "batches": [1], "configs": ["flash"], "field": {**FIELD, **(update or {})}}
+    raw["G3-T3"]["cpu"] = {**TOY, "batches": [1], "configs": ["flash"], "field": {**FIELD, **(update or {})},
+                           **(sweep or {})}
     if published is not None:
         raw["G3-T3"]["field_published"] = published
     return validate(raw)
@@ -424,15 +425,59 @@ def test_bad_field_keys_are_named(update, published, message):
         _field_params(update, published)
 
 
-def test_field_rows_that_fail_are_a_row_that_says_why_and_keep_the_rest(monkeypatch):
+@pytest.mark.parametrize("phase", ["field", "floor"])
+def test_field_and_floor_rows_that_fail_are_a_row_that_says_why_and_keep_the_rest(phase, monkeypatch):
     from adaattn_experiments.inference import study as inference
 
     def fail(self, params, sweep):
-        raise RuntimeError("out of memory on the field's model")
+        raise RuntimeError(f"out of memory on the {phase}'s model")
 
-    monkeypatch.setattr(inference.Inference, "_field_rows", fail)
-    params = _field_params()
+    monkeypatch.setattr(inference.Inference, f"_{phase}_rows", fail)
+    params = _field_params(sweep={"floor": FLOOR})
     df = pd.DataFrame(inference.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
-    field = df[df.phase == "field"]
-    assert len(field) == 1 and field.status.iloc[0] != "ok" and "out of memory" in field.reason.iloc[0]
+    rows = df[df.phase == phase]
+    assert len(rows) == 1 and rows.status.iloc[0] != "ok" and "out of memory" in rows.reason.iloc[0]
     assert (df[(df.phase == "decode") & (df.metric == "side_by_side_ms")].status == "ok").all()
+
+
+FLOOR = {"dim": 32, "n_heads": 1, "n_kv_heads": 1, "mlp_hidden": 32, "vocab_size": 32}
+
+
+def test_the_floor_is_the_sweeps_model_narrow_against_its_own_generate(monkeypatch):
+    """Issue 66's floor: the sweep's model at the floor's widths (its layers), generate's time a token with the
+    compiled step, against the sweep's own batch-1 generate row; the bytes past the floor over the time past it."""
+    from adaattn.models.config import ModelConfig
+    from adaattn.models.generate import setup_kv_cache
+    from adaattn.models.transformer import build_model
+    from adaattn_experiments.inference.report import floor_table
+    from adaattn_experiments.inference.study import STUDY, cache_bytes, weight_bytes
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **k: compile_(fn, backend="eager"))
+    params = _field_params(sweep={"configs": ["compiled"], "floor": FLOOR, "field": None})
+    df = pd.DataFrame(STUDY.bind("cpu").extra_rows(params, params.targets["cpu"]))
+    floor = df[df.phase == "floor"].set_index("metric")
+    assert set(df[df.phase == "floor"].model) == {"dense_small"} and floor.loc["generate_ms_per_token", "value"] > 0
+    cfg = ModelConfig(**{**params.models["dense_small"].model_dump(), **FLOOR})
+    assert cfg.n_layers == params.models["dense_small"].n_layers  # the same layers, so the same kernels
+    model = build_model(cfg)
+    P, N = TOY["prompt_len"], TOY["new_tokens"]
+    setup_kv_cache(model, 1, P + N)
+    assert floor.loc["decode_bytes_needed", "value"] == pytest.approx(
+        weight_bytes(model) + cache_bytes(model) * (P + N / 2) / (P + N))
+    table = floor_table(df.assign(target="cpu", hardware="AMD EPYC"), pd.Series({"cpu": 40.0}))
+    at = df.set_index(["batch", "phase", "metric", "provider"])["value"]
+    share = at[1, "floor", "generate_ms_per_token", "compiled"] / at[1, "generate", "generate_ms_per_token",
+                                                                     "compiled"]
+    assert "| dense_small" in table and f"{share:.3g}" in table
+    assert floor_table(df[df.phase != "floor"].assign(target="cpu"), pd.Series({"cpu": 40.0})) == \
+        "no floor run (G3-T3.<profile>.floor)"
+
+
+@pytest.mark.parametrize("floor, message", [
+    ({"dim": 48}, "G3-T3.cpu.floor: dim / n_heads = 48: the fused step takes a power of two head dim"),
+    ({"n_heads": 3}, "G3-T3.cpu.floor: models.dense_small at these widths is no model"),
+])
+def test_bad_floor_widths_are_named(floor, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _field_params(sweep={"floor": {**FLOOR, **floor}})

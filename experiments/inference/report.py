@@ -50,7 +50,7 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                                          ratios[ratios["target"] == target])
     md = prose(__file__, "g3_t3", table=md_table(pd.DataFrame(table)) if table else "no results",
                quality=quality_table(ok), ltm=ltm_table(runs),
-               field=field_table(runs, copy, filed("g3_t3", "field_published", None)))
+               field=field_table(runs, copy, filed("g3_t3", "field_published", None)), floor=floor_table(runs, copy))
     return [Section("G3-T3", "Inference Performance (prefill, decode, KV cache, INT8, CUDA graphs)", md, verdicts)]
 
 
@@ -71,6 +71,29 @@ def quality_table(ok: pd.DataFrame) -> str:
                              "change": "-" if variant == "full" else f"{change:+.5f} ({change / loss['full']:+.3%})",
                              "note": frame.set_index("provider")["reason"][variant]})
     return md_table(pd.DataFrame(rows)) if rows else "no quality run (G3-T3.<profile>.quality)"
+
+
+def floor_table(runs: pd.DataFrame, copy: pd.Series) -> str:
+    """The batch-1 step's floor (``G3-T3.<profile>.floor``): the sweep's model, narrow, a token through the
+    README's ``generate``; against the sweep's own batch-1 ``generate`` with the compiled step: the floor's share
+    of it, and the bytes the step must read over the time past the floor."""
+    ok = runs[runs["status"] == "ok"]
+    rows = []
+    for target, frame in runs[runs["phase"] == "floor"].groupby("target", sort=False):
+        at = ok[(ok["target"] == target) & (ok["batch"] == 1)].set_index(["phase", "metric", "provider"])["value"]
+        floor, step = (at.get((phase, "generate_ms_per_token", "compiled")) for phase in ("floor", "generate"))
+        need = at.get(("decode", "decode_bytes_needed", "compiled"))
+        past = need / ((step - floor) / 1e3) / 1e9 if floor and step and need and step > floor else None
+        bad = frame[frame["status"] != "ok"]
+        rows.append({"target": target, "model": frame["model"].iloc[0],
+                     "floor GB / step": fmt(at.get(("floor", "decode_bytes_needed", "compiled"), float("nan")) / 1e9),
+                     "floor kernels / step": fmt(at.get(("floor", "kernels_per_step", "compiled"))),
+                     "floor ms / token": fmt(floor), "step ms / token": fmt(step),
+                     "floor's share": fmt(floor / step if floor and step else None),
+                     "GB / step": fmt(need / 1e9 if need else None), "GB/s past the floor": fmt(past),
+                     "of copy bandwidth": fmt(past / copy[target] if past and target in copy else None),
+                     "note": "" if bad.empty else f"{bad['status'].iloc[0]}: {bad['reason'].iloc[0]}"[:120]})
+    return md_table(pd.DataFrame(rows)) if rows else "no floor run (G3-T3.<profile>.floor)"
 
 
 def field_table(runs: pd.DataFrame, copy: pd.Series, published: FieldPublished | None) -> str:

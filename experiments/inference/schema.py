@@ -47,6 +47,19 @@ class FieldDecode(_Section):
     new_tokens: Annotated[int, Field(ge=4)]  # the timed steps, then two more for the trace
 
 
+class FloorDecode(_Section):
+    """Issue 66: the decode step's floor, what it costs whatever its bytes. The sweep's model at these widths (its
+    layers, so the step's kernels and their order, with weights of a few MB that sit in L2), random weights, the
+    README's ``generate`` with the ``compiled`` config's step at batch 1 after the sweep's prompt, a token; a trace
+    of one step (its kernels, to be the sweep model's count)."""
+
+    dim: PositiveInt
+    n_heads: PositiveInt
+    n_kv_heads: PositiveInt
+    mlp_hidden: PositiveInt
+    vocab_size: PositiveInt
+
+
 class FieldPublished(_Section):
     """The field's published step times for the model of ``G3-T3.<profile>.field``, quoted with their ``source``
     (read by the report beside ours; outside the results' params hash): ``model`` the preset of that model's
@@ -82,6 +95,7 @@ class InferenceSweep(_Section):
     quality: QualityRun | None = None  # INT8 and INT4's validation-loss price on a trained preset (None: not run)
     ltm: LTMDecode | None = None  # an LTM preset's decode, eager and under CUDA graphs (None: not run)
     field: FieldDecode | None = None  # our decode on the field's published model (None: not run)
+    floor: FloorDecode | None = None  # the sweep's model, narrow: the step's cost whatever its bytes (None: not run)
     side_by_side: Rounds
     seed: NonNegativeInt = 0
 
@@ -143,10 +157,28 @@ def check(params) -> None:
                     check_decodable(params.models[run.field.model])
                 except ValueError as err:
                     raise ValueError(f"{where}.model {run.field.model!r}: {err}") from None
+            if run.floor is not None:
+                floor_config(params, f"G3-T3.{profile}.floor", run)
     published = params.g3_t3.field_published if params.g3_t3 else None
     if published is not None and published.model not in params.models:
         raise ValueError(f"G3-T3.field_published.model {published.model!r} is not a preset of models; allowed: "
                          f"{', '.join(params.models)}")
+
+
+def floor_config(params, where: str, run: InferenceSweep):
+    """The sweep's model at the floor's widths, validated as a preset is, and one the fused step decodes."""
+    from adaattn.kernels.decode_proj import ROPE_ROWS
+    from adaattn.models.config import ModelConfig
+
+    try:
+        cfg = ModelConfig(**{**params.models[run.model].model_dump(), **run.floor.model_dump()})
+    except ValueError as err:
+        raise ValueError(f"{where}: models.{run.model} at these widths is no model: {err}") from None
+    D = cfg.head_dim
+    if D % (2 * ROPE_ROWS) or D & (D - 1):  # the rest the fused step needs is the sweep model's, unchanged here
+        raise ValueError(f"{where}: dim / n_heads = {D}: the fused step takes a power of two head dim, at least "
+                         f"{2 * ROPE_ROWS}")
+    return cfg
 
 
 def check_ltm(params, where: str, run: LTMDecode) -> None:

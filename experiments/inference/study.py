@@ -29,9 +29,10 @@ from adaattn_pipeline.bench.study import StudyDef
 from adaattn_pipeline.bench.side_by_side import side_by_side_rows
 from adaattn_pipeline.config import Params, Target
 from adaattn_experiments.common.fit import fit, val_loss
-from adaattn_experiments.inference.schema import FieldDecode, InferenceSweep, LTMDecode, QualityRun
+from adaattn_experiments.inference.schema import FieldDecode, InferenceSweep, LTMDecode, QualityRun, floor_config
 from adaattn.models.config import ModelConfig
 from adaattn.models.transformer import build_model
+from adaattn.models import decode_step
 from adaattn.models.decode_graph import GraphedStep
 from adaattn.models.generate import clear_kv_cache, decode_one, generate, prefill, reset_kv_cache, setup_kv_cache
 from adaattn.models.quant import quantize_weight_only
@@ -158,6 +159,9 @@ class Inference(StudyDef):
         if sweep.field is not None:
             rows += self._guarded(self._field_rows, params, sweep, sweep.field.model, sweep.field.prompt_len, "field",
                                   "compiled", "generate_ms_per_token")
+        if sweep.floor is not None:
+            rows += self._guarded(self._floor_rows, params, sweep, sweep.model, sweep.prompt_len, "floor", "compiled",
+                                  "generate_ms_per_token")
         if sweep.quality is not None:
             del models
             rows += self._quality_rows(params, sweep)
@@ -180,20 +184,35 @@ class Inference(StudyDef):
                      "value": None, "unit": "ms", "status": status, "reason": why}]
 
     def _field_rows(self, params: Params, sweep: InferenceSweep) -> list[dict]:
-        """Issue 66 like for like: the field's model (random weights) at batch 1, the README's ``generate`` with the
-        compiled config's step a token, as the field times its steps (the cache growing from the prompt); the
-        bytes a step reads on average over them; a CUDA trace of one step."""
+        """Issue 66 like for like: the field's model (random weights) at batch 1, as the field times its steps (the
+        cache growing from the prompt): ``_readme_rows``."""
         run: FieldDecode = sweep.field
-        cfg, P, N = params.models[run.model], run.prompt_len, run.new_tokens
-        self.note(f"field: {run.model} generating {N} tokens after {P}, the compiled step")
+        self.note(f"field: {run.model} generating {run.new_tokens} tokens after {run.prompt_len}, the compiled step")
+        return self._readme_rows(params.models[run.model], run.model, run.prompt_len, run.new_tokens, "field", sweep)
+
+    def _floor_rows(self, params: Params, sweep: InferenceSweep) -> list[dict]:
+        """Issue 66: the step's floor, the sweep's model at the floor's widths (its layers and kernels, weights in
+        L2), as the sweep's batch-1 ``generate`` row runs: ``_readme_rows``."""
+        cfg = floor_config(params, "G3-T3.floor", sweep)
+        self.note(f"floor: {sweep.model} at dim {cfg.dim} generating {sweep.new_tokens} tokens, the compiled step")
+        return self._readme_rows(cfg, sweep.model, sweep.prompt_len, sweep.new_tokens, "floor", sweep)
+
+    def _readme_rows(self, cfg: ModelConfig, name: str, P: int, N: int, phase: str, sweep: InferenceSweep,
+                     ) -> list[dict]:
+        """A model (random weights) at batch 1: the README's ``generate`` with the compiled config's step
+        (``GraphedStep``), a token; the bytes a step reads on average over the new tokens; a CUDA trace of one
+        step. The fused step must run it: where it does not, the rows say why instead."""
         torch._dynamo.reset()
         torch.manual_seed(sweep.seed)
         model = build_model(cfg, device=self.device).to(DTYPES[sweep.dtype]).eval().requires_grad_(False)
         g = torch.Generator().manual_seed(sweep.seed)
         prompt = torch.randint(0, cfg.vocab_size, (1, P), generator=g).to(self.device)
         setup_kv_cache(model, 1, P + N, dtype=DTYPES[sweep.dtype])
-        base = {"table_id": "G3-T3", "case_id": f"G3-T3/{run.model}-b1-p{P}/field", "kernel": "", "model": run.model,
-                "batch": 1, "seq_len": P, "phase": "field", "mode": "fwd", "provider": "compiled"}
+        why = decode_step.why_not(model, prompt[:, -1:])
+        if why is not None and self.device == "cuda":  # a CPU runs the fused step only in Triton's interpreter
+            raise ValueError(f"{phase}: the fused step does not run {name} here: {why}")
+        base = {"table_id": "G3-T3", "case_id": f"G3-T3/{name}-b1-p{P}/{phase}", "kernel": "", "model": name,
+                "batch": 1, "seq_len": P, "phase": phase, "mode": "fwd", "provider": "compiled"}
         step = GraphedStep()
         with torch.no_grad():
             rows = [{**base, **self._generate_ms(model, None, prompt, N, step=step)}]
