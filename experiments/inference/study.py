@@ -342,9 +342,9 @@ class Inference(StudyDef):
 
         with torch.no_grad():
             # every CUDA graph the batch will use, recorded before anything is timed: on an H200 a decode step's
-            # graph replayed 10% slower (the same kernels, 0.42 us between them, not 0.10) once the step's calls had
-            # been captured into other graphs, and stayed so (notebook, 2026-12-01); the rounds and the generate
-            # loop are then read in one state, the one a program that captured its generate step is in
+            # graph replayed slower (the same kernels, wider gaps between them) once the step's calls had been
+            # captured into other graphs, and stayed so (notebook, 2026-12-01); the rounds and the generate loop
+            # are then read in one state, the one a program that captured its generate step is in
             for c in steps:
                 self._generate(c, models[c], None, steps[c], tokens[:, :P + 2], P)
             for c in (c for c in cached if c in COMPILED):  # the rounds' decoder: CUDA-graph trees record it
