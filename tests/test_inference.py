@@ -443,6 +443,45 @@ def test_field_and_floor_rows_that_fail_are_a_row_that_says_why_and_keep_the_res
 FLOOR = {"dim": 32, "n_heads": 1, "n_kv_heads": 1, "mlp_hidden": 32, "vocab_size": 32}
 
 
+def test_the_runs_after_the_sweep_start_only_while_the_budget_lasts(monkeypatch):
+    """budget_s: the LTM, field and floor runs each guessed at the longest run after the sweep so far; one that
+    would end past the budget is a row that says why, and the rest of the file is kept (a device call's kill would
+    keep nothing)."""
+    from adaattn_experiments.inference import study as inference
+
+    clock, ran = [0.0], []
+
+    def run_of(phase, seconds):
+        def rows(self, params, sweep):
+            ran.append(phase)
+            clock[0] += seconds
+            return [{"phase": phase, "metric": "generate_ms_per_token", "value": 1.0, "status": "ok"}]
+        return rows
+
+    monkeypatch.setattr(inference.Inference, "_batch_rows", lambda self, *a: [])
+    monkeypatch.setattr(inference.Inference, "_ltm_rows", run_of("ltm", 10))
+    monkeypatch.setattr(inference.Inference, "_field_rows", run_of("field", 30))
+    monkeypatch.setattr(inference.Inference, "_floor_rows", run_of("floor", 10))
+    monkeypatch.setattr(inference.time, "monotonic", lambda: clock[0])
+    raw = copy.deepcopy(load_raw(PARAMS))
+    raw["models"]["ltm_tiny"] = {**raw["models"]["ltm_small"], "segment_len": 8}  # never built: its run is faked
+    raw["models"]["field_tiny"] = raw["models"]["dense_small"]
+    raw["G3-T3"]["cpu"] = {**TOY, "batches": [1], "configs": ["flash"], "ltm": LTM, "field": FIELD, "floor": FLOOR,
+                           "budget_s": 55}
+    params = validate(raw)
+    rows = inference.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    # ltm (no guess) ends at 10, field (guessed 10) at 40; the floor, guessed at the field's 30, would end at 70
+    assert ran == ["ltm", "field"]
+    (floor,) = [r for r in rows if r["phase"] == "floor"]
+    assert floor["status"] == "unavailable" and floor["provider"] == "compiled" and floor["reason"] == (
+        "the floor run not run: its 30 s (the longest run so far) past G3-T3.cpu.budget_s=55 at 40 s")
+    del raw["G3-T3"]["cpu"]["budget_s"]
+    params = validate(raw)
+    ran.clear()
+    inference.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
+    assert ran == ["ltm", "field", "floor"]  # no budget: every run
+
+
 def test_the_floor_is_the_sweeps_model_narrow_against_its_own_generate(monkeypatch):
     """Issue 66's floor: the sweep's model at the floor's widths (its layers), generate's time a token with the
     compiled step, against the sweep's own batch-1 generate row; the bytes past the floor over the time past it."""

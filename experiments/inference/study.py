@@ -127,6 +127,7 @@ class Inference(StudyDef):
         return []  # prefill and decode side by side: extra_rows
 
     def extra_rows(self, params: Params, target: Target) -> list[dict]:
+        start = time.monotonic()
         sweep: InferenceSweep = getattr(params.g3_t3, target.profile)
         cfg = params.models[sweep.model]
         torch.manual_seed(sweep.seed)
@@ -153,19 +154,40 @@ class Inference(StudyDef):
                           "phase": phase, "provider": c, "mode": "fwd", "metric": "side_by_side_ms", "value": None,
                           "unit": "ms", "status": "unavailable", "reason": why} for phase in ("prefill", "decode")]
             torch._dynamo.reset()  # a fresh cache per batch: the compiled decode's graphs are per shape
-        if sweep.ltm is not None:
-            rows += self._guarded(self._ltm_rows, params, sweep, sweep.ltm.model, sweep.ltm.prompt_len, "ltm",
-                                  "ltm_compiled", "generate_ms_per_token")
-        if sweep.field is not None:
-            rows += self._guarded(self._field_rows, params, sweep, sweep.field.model, sweep.field.prompt_len, "field",
-                                  "compiled", "generate_ms_per_token")
-        if sweep.floor is not None:
-            rows += self._guarded(self._floor_rows, params, sweep, sweep.model, sweep.prompt_len, "floor", "compiled",
-                                  "generate_ms_per_token")
-        if sweep.quality is not None:
-            del models
+        del models
+        took = [0.0]  # the seconds of each run after the sweep: the longest guesses the next
+        if sweep.quality is not None:  # a goal's run (INT8 and INT4's price): first, and not left out
+            t0 = time.monotonic()
             rows += self._quality_rows(params, sweep)
+            took.append(time.monotonic() - t0)
+        # the issue-66 runs, each on models of its own, while the budget lasts
+        runs = [(self._ltm_rows, sweep.ltm and (sweep.ltm.model, sweep.ltm.prompt_len, "ltm", "ltm_compiled",
+                                                "generate_ms_per_token")),
+                (self._field_rows, sweep.field and (sweep.field.model, sweep.field.prompt_len, "field", "compiled",
+                                                    "generate_ms_per_token")),
+                (self._floor_rows, sweep.floor and (sweep.model, sweep.prompt_len, "floor", "compiled",
+                                                    "generate_ms_per_token"))]
+        for rows_of, where in runs:
+            if not where:
+                continue
+            elapsed = time.monotonic() - start
+            if sweep.budget_s is not None and elapsed + max(took) > sweep.budget_s:
+                why = (f"the {where[2]} run not run: " + (f"its {max(took):.0f} s (the longest run so far) "
+                                                          if max(took) else "")
+                       + f"past G3-T3.{target.profile}.budget_s={sweep.budget_s:g} at {elapsed:.0f} s")
+                rows.append(self._row_of(*where, status="unavailable", why=why))
+                continue
+            t0 = time.monotonic()
+            rows += self._guarded(rows_of, params, sweep, *where)
+            took.append(time.monotonic() - t0)
         return rows
+
+    @staticmethod
+    def _row_of(model: str, P: int, phase: str, provider: str, metric: str, status: str, why: str) -> dict:
+        """A run's one row where it did not run: ``status`` and ``why``."""
+        return {"table_id": "G3-T3", "case_id": f"G3-T3/{model}-b1-p{P}/{phase}", "kernel": "", "model": model,
+                "batch": 1, "seq_len": P, "phase": phase, "mode": "fwd", "provider": provider, "metric": metric,
+                "value": None, "unit": "ms", "status": status, "reason": why}
 
     @staticmethod
     def _guarded(rows_of, params: Params, sweep: InferenceSweep, model: str, P: int, phase: str, provider: str,
@@ -179,9 +201,7 @@ class Inference(StudyDef):
 
             status, why = classify_error(err)
             torch._dynamo.reset()
-            return [{"table_id": "G3-T3", "case_id": f"G3-T3/{model}-b1-p{P}/{phase}", "kernel": "", "model": model,
-                     "batch": 1, "seq_len": P, "phase": phase, "mode": "fwd", "provider": provider, "metric": metric,
-                     "value": None, "unit": "ms", "status": status, "reason": why}]
+            return [Inference._row_of(model, P, phase, provider, metric, status, why)]
 
     def _field_rows(self, params: Params, sweep: InferenceSweep) -> list[dict]:
         """Issue 66 like for like: the field's model (random weights) at batch 1, as the field times its steps (the
