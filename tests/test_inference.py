@@ -459,9 +459,9 @@ def test_the_runs_after_the_sweep_start_only_while_the_budget_lasts(monkeypatch)
         return rows
 
     monkeypatch.setattr(inference.Inference, "_batch_rows", lambda self, *a: [])
+    monkeypatch.setattr(inference.Inference, "_field_rows", run_of("field", 10))
+    monkeypatch.setattr(inference.Inference, "_floor_rows", run_of("floor", 30))
     monkeypatch.setattr(inference.Inference, "_ltm_rows", run_of("ltm", 10))
-    monkeypatch.setattr(inference.Inference, "_field_rows", run_of("field", 30))
-    monkeypatch.setattr(inference.Inference, "_floor_rows", run_of("floor", 10))
     monkeypatch.setattr(inference.time, "monotonic", lambda: clock[0])
     raw = copy.deepcopy(load_raw(PARAMS))
     raw["models"]["ltm_tiny"] = {**raw["models"]["ltm_small"], "segment_len": 8}  # never built: its run is faked
@@ -470,16 +470,17 @@ def test_the_runs_after_the_sweep_start_only_while_the_budget_lasts(monkeypatch)
                            "budget_s": 55}
     params = validate(raw)
     rows = inference.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
-    # ltm (no guess) ends at 10, field (guessed 10) at 40; the floor, guessed at the field's 30, would end at 70
-    assert ran == ["ltm", "field"]
-    (floor,) = [r for r in rows if r["phase"] == "floor"]
-    assert floor["status"] == "unavailable" and floor["provider"] == "compiled" and floor["reason"] == (
-        "the floor run not run: its 30 s (the longest run so far) past G3-T3.cpu.budget_s=55 at 40 s")
+    # the field (no guess) ends at 10, the floor (guessed 10) at 40; the LTM run, guessed at the floor's 30, would
+    # end at 70
+    assert ran == ["field", "floor"]
+    (ltm,) = [r for r in rows if r["phase"] == "ltm"]
+    assert ltm["status"] == "unavailable" and ltm["provider"] == "ltm_compiled" and ltm["reason"] == (
+        "the ltm run not run: its 30 s (the longest run so far) past G3-T3.cpu.budget_s=55 at 40 s")
     del raw["G3-T3"]["cpu"]["budget_s"]
     params = validate(raw)
     ran.clear()
     inference.STUDY.bind("cpu").extra_rows(params, params.targets["cpu"])
-    assert ran == ["ltm", "field", "floor"]  # no budget: every run
+    assert ran == ["field", "floor", "ltm"]  # no budget: every run
 
 
 def test_the_floor_is_the_sweeps_model_narrow_against_its_own_generate(monkeypatch):

@@ -160,13 +160,14 @@ class Inference(StudyDef):
             t0 = time.monotonic()
             rows += self._quality_rows(params, sweep)
             took.append(time.monotonic() - t0)
-        # the issue-66 runs, each on models of its own, while the budget lasts
-        runs = [(self._ltm_rows, sweep.ltm and (sweep.ltm.model, sweep.ltm.prompt_len, "ltm", "ltm_compiled",
-                                                "generate_ms_per_token")),
-                (self._field_rows, sweep.field and (sweep.field.model, sweep.field.prompt_len, "field", "compiled",
+        # the issue-66 runs, each on models of its own, while the budget lasts: the field's model and the floor
+        # first (the decode goals' evidence), the LTM preset's decode (a table, no verdict) last
+        runs = [(self._field_rows, sweep.field and (sweep.field.model, sweep.field.prompt_len, "field", "compiled",
                                                     "generate_ms_per_token")),
                 (self._floor_rows, sweep.floor and (sweep.model, sweep.prompt_len, "floor", "compiled",
-                                                    "generate_ms_per_token"))]
+                                                    "generate_ms_per_token")),
+                (self._ltm_rows, sweep.ltm and (sweep.ltm.model, sweep.ltm.prompt_len, "ltm", "ltm_compiled",
+                                                "generate_ms_per_token"))]
         for rows_of, where in runs:
             if not where:
                 continue
