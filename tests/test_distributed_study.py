@@ -272,6 +272,28 @@ def test_a_layout_of_its_own_compile_mode_is_read_against_one_rank_in_that_mode(
     assert re.search(r"\| tp +\| +2 \| default +\| single x1 .*\| 0\.9 ", section.markdown)  # 90 / 100
 
 
+def test_a_goal_not_measured_says_why():
+    """A DDP or FSDP2 goal without its pair's numbers carries the reason of the row that did not run (the study's
+    budget, a failure), its own or its baseline's, not only how it would have been read."""
+    from adaattn_experiments.distributed.report import render
+
+    case = {"model": "m", "mode": "train", "target": "h100x2", "hardware": "gpu", "cuda": "13.0",
+            "compile_mode": "default", "metric": "tokens_per_s"}
+    rows = [{**case, "case_id": "distributed/m/x1/default/r0", "provider": "single", "world_size": 1, "batch": 4,
+             "status": "ok", "value": 100.0},
+            {**case, "case_id": "distributed/m/x2/default/r0", "provider": "ddp", "world_size": 2, "batch": 8,
+             "status": "unavailable", "value": None, "reason": "round 1 not run: past G3-T2 budget_s=9 at 10 s"},
+            {**case, "case_id": "distributed/m/x1/default/r0", "provider": "fsdp", "world_size": 1, "batch": 4,
+             "status": "error", "value": None, "reason": "out of memory"},
+            {**case, "case_id": "distributed/m/x2/default/r0", "provider": "fsdp", "world_size": 2, "batch": 8,
+             "status": "ok", "value": 190.0}]
+    (section,) = render(pd.DataFrame(rows), Path("."))
+    why = {v.claim.split()[0]: (v.verdict, v.reason) for v in section.verdicts if "scaling efficiency" in v.claim}
+    assert why["DDP"][0] == "not measured yet" and why["DDP"][1].endswith("; round 1 not run: past G3-T2 "
+                                                                          "budget_s=9 at 10 s")
+    assert why["FSDP2"][0] == "not measured yet" and why["FSDP2"][1].endswith("; out of memory")
+
+
 @pytest.mark.parametrize("update, match", [
     ({"compile_mode": "fast"}, "G3-T2.cpu.compile_mode"),
     ({"compile_mode": "reduce-overhead", "micro_batches": 2, "layouts": ["ddp", "fsdp"]},

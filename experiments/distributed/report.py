@@ -108,13 +108,19 @@ def render(df: pd.DataFrame, out_dir: Path) -> list[Section]:
                 claim = f"{'DDP' if layout == 'ddp' else 'FSDP2'} x{int(ws)} scaling efficiency ({model})"
                 verdict = ("not measurable here" if cpu else "not measured yet" if eff is None
                            else judge((eff[1], eff[2]), (goal, None), True))
+                # a goal not measured says why: the job's own row (the budget, a failure), else its baseline's
+                base_rows = runs[(runs["world_size"] == 1) & (runs["provider"] == BASELINE.get(layout, SINGLE))
+                                 & (runs["compile_mode"] == mode) & (runs["status"] != "ok")]
+                why_not = next((f"; {r['reason']}" for rows in (bad, base_rows) for _, r in rows.iterrows()
+                                if verdict == "not measured yet" and isinstance(r["reason"], str)), "")
                 verdicts.append(Verdict("G3-T2", claim, f">= {goal:g}",
                                         "-" if eff is None else interval_text(effs, unit="") + f" over {len(effs)} "
                                         f"round{'s' if len(effs) != 1 else ''}", hw, verdict,
                                         "gloo processes sharing a CPU's cores: not the GPUs' scaling" if cpu else
                                         f"tokens/s a rank at this world size over the one-rank {BASELINE[layout]} "
                                         "job's in the same round (the same precision regime"
-                                        f"{', compile mode ' + mode if mode else ''}), the batch a rank fixed"))
+                                        f"{', compile mode ' + mode if mode else ''}), the batch a rank fixed"
+                                        + why_not))
         if frame["hardware"].iloc[0] in guide_hw:
             continue
         guide_hw.add(frame["hardware"].iloc[0])
