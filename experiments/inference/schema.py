@@ -98,10 +98,10 @@ class InferenceSweep(_Section):
     floor: FloorDecode | None = None  # the sweep's model, narrow: the step's cost whatever its bytes (None: not run)
     side_by_side: Rounds
     seed: NonNegativeInt = 0
-    # the seconds from the study's first model build that the field, floor and LTM runs must end inside, each guessed at the
-    # longest run after the sweep so far (the quality run's, which always runs; the first at nothing): one that
-    # would not is a row that says why, and the file is written with the rest (a device call's kill would keep
-    # nothing). None: no limit
+    # the seconds from the study's first model build that the field, floor and LTM runs must end inside, each
+    # guessed at the longest run after the sweep so far (the quality run's, which always runs; the first at
+    # nothing): one that would not is a row that says why, and the file is written with the rest (a device call's
+    # kill would keep nothing). None: no limit
     budget_s: PositiveFloat | None = None
 
     @model_validator(mode="after")
